@@ -1,0 +1,40 @@
+"""The exact walk's accumulators for one window.
+
+dL/d(cached K/V) for every attention layer and computed position (what later chunks send back to
+the chunk that made those K/V), dL/d(recurrent state) at the boundary being crossed, and the
+adapter's gradient summed over the chunks. Updated in place chunk by chunk: MLX reuses a buffer
+for a slice update when the accumulator holds the only reference to it.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx.utils import tree_map
+
+ACCUMULATOR_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
+
+
+class Accumulators:
+    def __init__(
+        self, kv_shapes: list[tuple[int, int, int]], positions: int, dtype: str = "float32"
+    ):
+        self.dtype = ACCUMULATOR_DTYPES[dtype]
+        self.keys = [mx.zeros((1, h, positions, dk), self.dtype) for h, dk, _ in kv_shapes]
+        self.values = [mx.zeros((1, h, positions, dv), self.dtype) for h, _, dv in kv_shapes]
+        self.state: list[list[mx.array]] | None = None  # per recurrent layer
+        self.grads = None  # the adapter's gradient, summed over chunks
+        mx.eval(self.keys, self.values)
+
+    def adjoint(self, layer: int, start: int, end: int) -> tuple[mx.array, mx.array]:
+        return self.keys[layer][..., start:end, :], self.values[layer][..., start:end, :]
+
+    def add_kv(self, layer: int, start: int, dk: mx.array, dv: mx.array) -> None:
+        end = start + dk.shape[2]
+        self.keys[layer][..., start:end, :] += dk.astype(self.dtype)
+        self.values[layer][..., start:end, :] += dv.astype(self.dtype)
+
+    def add_grads(self, grads) -> None:
+        self.grads = grads if self.grads is None else tree_map(mx.add, self.grads, grads)
+
+    def arrays(self) -> list:
+        return [self.keys, self.values, self.state, self.grads]

@@ -1,0 +1,89 @@
+"""What the walk needs to know of an mlx-lm model: which layers attend, which recur, their shapes.
+
+The layout is read off the model's own caches after a one-token decode, so it follows whatever
+the architecture does (grouped-query heads, head dimensions, the gated delta-net's state) without
+per-family code. Families outside SUPPORTED are refused by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+from mlx import nn
+from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
+
+from .plan import Footprint, PlanError
+
+# Families whose attention goes through cache.update_and_fetch with a plain causal mask and whose
+# recurrent layers keep their state in an ArraysCache; each is exercised by the tests.
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_5", "qwen3_next")
+
+
+class UnsupportedModel(PlanError):
+    pass
+
+
+@dataclass(frozen=True)
+class Layout:
+    model_type: str
+    kinds: tuple[str, ...]  # per layer: "attention" or "recurrent"
+    kv_shapes: tuple[tuple[int, int, int], ...]  # per attention layer: (kv_heads, k_dim, v_dim)
+    state_shapes: tuple[tuple[tuple[int, ...], ...], ...]  # per recurrent layer, per state array
+    state_dtypes: tuple[tuple[mx.Dtype, ...], ...]
+    dtype: mx.Dtype  # the K/V the model computes
+
+    @property
+    def attention(self) -> list[int]:
+        return [i for i, k in enumerate(self.kinds) if k == "attention"]
+
+    @property
+    def recurrent(self) -> list[int]:
+        return [i for i, k in enumerate(self.kinds) if k == "recurrent"]
+
+    def footprint(self) -> Footprint:
+        width = sum(h * (dk + dv) for h, dk, dv in self.kv_shapes)
+        state = sum(
+            _numel(s) * d.size
+            for shapes, dtypes in zip(self.state_shapes, self.state_dtypes)
+            for s, d in zip(shapes, dtypes)
+        )
+        return Footprint(kv_width=width, state_bytes=state)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def model_type(model: nn.Module) -> str:
+    return str(getattr(model, "model_type", None) or type(model).__module__.rsplit(".", 1)[-1])
+
+
+def inspect(model: nn.Module) -> Layout:
+    """The model's layout, or UnsupportedModel naming what the walk can't take."""
+    name = model_type(model)
+    if name not in SUPPORTED:
+        raise UnsupportedModel(
+            f"model type {name!r} is not supported by the walk; supported: {', '.join(SUPPORTED)}"
+        )
+    caches = make_prompt_cache(model)
+    for c in caches:
+        if type(c) not in (KVCache, ArraysCache):
+            raise UnsupportedModel(
+                f"model type {name!r} uses a {type(c).__name__}, which the walk does not support"
+            )
+    model(mx.array([[0]]), cache=caches)
+    kinds, kv, shapes, dtypes, dtype = [], [], [], [], mx.float32
+    for c in caches:
+        if isinstance(c, KVCache):
+            kinds.append("attention")
+            kv.append((c.keys.shape[1], c.keys.shape[-1], c.values.shape[-1]))
+            dtype = c.keys.dtype
+        else:
+            kinds.append("recurrent")
+            shapes.append(tuple(tuple(a.shape) for a in c.cache))
+            dtypes.append(tuple(a.dtype for a in c.cache))
+    return Layout(name, tuple(kinds), tuple(kv), tuple(shapes), tuple(dtypes), dtype)

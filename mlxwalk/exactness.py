@@ -1,0 +1,217 @@
+"""test-walk-exact: the walk's gradient against its reference, row by row, on any model.
+
+Rows (numbered after the reference system's acceptance test):
+  (1)  every position labelled, 4 chunks: the exact walk and the plain walk vs one graph
+  (1b) the exact walk with float16, bfloat16 and 8-bit caches vs the float32 one graph
+  (2)  context then reply, 4 chunks vs one chunk per run
+  (3)  a host budget of 1 byte is refused, naming host memory, and the adapter is untouched
+  (4)  recurrent models: a host budget of 3/4 of the per-chunk checkpoints forces a stride > 1,
+       holds fewer bytes and gives the same gradient
+  (7)  recompute (activation checkpointing in the chunk graph) vs not
+The adapter is moved to a random nonzero point first, so every LoRA gradient is nonzero.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import mlx.core as mx
+import mlx.optimizers as optim
+import numpy as np
+from mlx import nn
+from mlx.utils import tree_flatten, tree_map
+
+from . import arch
+from .plan import MIB, OutOfMemory
+from .walk import ExactWalk, WalkConfig, Window, train_window, window_gradient
+
+EXACT = "cosine >= 0.99999, |norm ratio - 1| <= 1e-3"
+BARS: dict[str, Callable[[float, float], bool]] = {
+    EXACT: lambda c, r: c >= 0.99999 and abs(r - 1) <= 1e-3,
+    "cosine >= 0.999": lambda c, r: c >= 0.999,
+    "cosine >= 0.99": lambda c, r: c >= 0.99,
+    "cosine < 0.95 (tells the walks apart)": lambda c, r: c < 0.95,
+}
+CACHE_BARS = {"float16": "cosine >= 0.999", "bfloat16": "cosine >= 0.999", "q8": "cosine >= 0.99"}
+
+
+@dataclass
+class Row:
+    model: str
+    row: str
+    what: str
+    bar: str
+    ok: bool
+    cosine: float | None = None
+    norm_ratio: float | None = None
+    detail: str = ""
+
+    def line(self) -> str:
+        if self.cosine is not None:
+            got = f"cosine {self.cosine:.6f}, norm ratio {self.norm_ratio:.6f}"
+        else:
+            got = self.detail
+        return f"  {self.row:<5}{self.what:<58}{got:<46}{'OK' if self.ok else 'FAILED'}"
+
+
+def flat(tree) -> np.ndarray:
+    return np.concatenate([np.asarray(v, np.float64).ravel() for _, v in tree_flatten(tree)])
+
+
+def compare(grads, reference) -> tuple[float, float]:
+    a, b = flat(grads), flat(reference)
+    na, nb = np.linalg.norm(a), np.linalg.norm(b)
+    return float(a @ b / (na * nb)), float(na / nb)
+
+
+def prepare(model: nn.Module, seed: int = 0, rank: int = 8) -> nn.Module:
+    """LoRA on every layer, at a random nonzero point."""
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    mx.random.seed(seed)
+    model.freeze()
+    linear_to_lora_layers(model, len(model.layers), {"rank": rank, "scale": 20.0, "dropout": 0.0})
+    model.update(
+        tree_map(lambda p: 0.005 * mx.random.normal(p.shape), model.trainable_parameters())
+    )
+    mx.eval(model.parameters())
+    return model
+
+
+class Table:
+    """The rows for one model on one window."""
+
+    def __init__(self, model: nn.Module, name: str, window: int = 256, n_chunks: int = 4):
+        self.model, self.name = model, name
+        self.layout = arch.inspect(model)
+        self.n, self.chunk = window, window // n_chunks
+        rng = np.random.default_rng(0)
+        ids = rng.integers(0, 256, window + 1)
+        self.x, self.y = ids[:-1], ids[1:]
+        self.rows: list[Row] = []
+
+    def grad(self, weights, **kw):
+        return window_gradient(self.model, self.x, self.y, weights, **kw)[1]
+
+    def add(self, row: str, what: str, bar: str, grads, reference) -> None:
+        c, r = compare(grads, reference)
+        self.rows.append(Row(self.name, row, what, bar, BARS[bar](c, r), c, r))
+
+    def run(self) -> list[Row]:
+        every = np.ones(self.n)
+        reply = np.r_[np.zeros(self.n // 2), np.ones(self.n - self.n // 2)]
+        k = self.n // self.chunk
+        one = self.grad(every, chunk=self.n, walk="one-graph")
+        self.add(
+            "(1)",
+            f"every position labelled, {k} chunks: exact vs one graph",
+            EXACT,
+            self.grad(every, chunk=self.chunk),
+            one,
+        )
+        self.add(
+            "(1)",
+            f"every position labelled, {k} chunks: plain vs one graph",
+            "cosine < 0.95 (tells the walks apart)",
+            self.grad(every, chunk=self.chunk, walk="plain"),
+            one,
+        )
+        for cache, bar in CACHE_BARS.items():
+            self.add(
+                "(1b)",
+                f"{cache} cache: exact vs float32 one graph",
+                bar,
+                self.grad(every, chunk=self.chunk, cache_type=cache),
+                one,
+            )
+        per_run = self.grad(reply, chunk=self.n)
+        self.add(
+            "(2)",
+            f"context then reply, {k} chunks vs one chunk per run",
+            EXACT,
+            self.grad(reply, chunk=self.chunk),
+            per_run,
+        )
+        self.rows.append(self.refusal(every))
+        if self.layout.recurrent:
+            self.strided(every)
+        self.add(
+            "(7)",
+            "recompute vs not",
+            EXACT,
+            self.grad(every, chunk=self.chunk, recompute=True),
+            self.grad(every, chunk=self.chunk),
+        )
+        return self.rows
+
+    def refusal(self, weights) -> Row:
+        before = flat(self.model.trainable_parameters())
+        config = WalkConfig(chunk=self.chunk, host_budget_mib=1 / MIB)
+        try:
+            train_window(
+                self.model, optim.SGD(learning_rate=0.1), Window.of(self.x, self.y, weights), config
+            )
+            message = ""
+        except OutOfMemory as e:
+            message = str(e)
+        untouched = np.array_equal(before, flat(self.model.trainable_parameters()))
+        ok = "host memory" in message and untouched
+        detail = ("refused" if message else "not refused") + (
+            ", adapter untouched" if untouched else ", adapter changed"
+        )
+        return Row(
+            self.name,
+            "(3)",
+            "host budget of 1 byte",
+            "refused, adapter untouched",
+            ok,
+            detail=detail,
+        )
+
+    def strided(self, weights) -> None:
+        window = Window.of(self.x, self.y, weights)
+        free = ExactWalk(self.model, window, WalkConfig(chunk=self.chunk)).plan
+        budget = free.accumulator_bytes + free.checkpoint_bytes * 3 / 4
+        config = WalkConfig(chunk=self.chunk, host_budget_mib=budget / MIB)
+        walk = ExactWalk(self.model, window, config)
+        loss, grads = walk.run()
+        mx.eval(loss, grads)
+        c, r = compare(grads, self.grad(weights, chunk=self.chunk))
+        fewer = walk.plan.stride > 1 and walk.plan.host_bytes < free.host_bytes
+        what = (
+            f"3/4 checkpoint budget: stride {walk.plan.stride}, "
+            f"{walk.plan.host_bytes / MIB:.2f} vs {free.host_bytes / MIB:.2f} MiB"
+        )
+        self.rows.append(Row(self.name, "(4)", what, EXACT, BARS[EXACT](c, r) and fewer, c, r))
+
+
+def header(name: str, table: Table) -> str:
+    lay = table.layout
+    return (
+        f"{name} ({lay.model_type}, {len(lay.kinds)} layers: {len(lay.attention)} attention, "
+        f"{len(lay.recurrent)} recurrent), window {table.n}, chunk {table.chunk}"
+    )
+
+
+def run(models: list[tuple[str, str]], as_json: bool = False, echo=print) -> bool:
+    """Run every row on every (name, path); print the table; True when every row is OK."""
+    import mlx_lm
+
+    rows: list[Row] = []
+    for name, path in models:
+        model, _ = mlx_lm.load(path)
+        table = Table(prepare(model), name)
+        if not as_json:
+            echo(header(name, table))
+        for row in table.run():
+            rows.append(row)
+            if not as_json:
+                echo(row.line())
+    ok = all(r.ok for r in rows)
+    if as_json:
+        echo(json.dumps({"ok": ok, "rows": [asdict(r) for r in rows]}, indent=2))
+    else:
+        echo("test-walk-exact: " + ("every row OK" if ok else "FAILED"))
+    return ok

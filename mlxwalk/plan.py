@@ -1,0 +1,218 @@
+"""The walk's plan: plain data about one window, computed before any array exists.
+
+A window's weights (1 = labelled, 0 = context) split into maximal runs of equal weight; each run is
+cut into chunks of at most ``chunk`` positions, and no chunk crosses a run. Nothing after the last
+labelled position is computed. The exact walk marks each chunk (needed, grad_from, loss_scale,
+period_end), and the plan sizes the host memory the walk will hold (K/V gradient accumulators and
+recurrent checkpoints), choosing the checkpoint stride a host budget allows, or refusing the window.
+
+This module imports no array library, so it can be tested without a model and shared by backends.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+MIB = 1 << 20
+
+
+class PlanError(ValueError):
+    """A window the walk cannot take, named in one line."""
+
+
+class OutOfMemory(PlanError):
+    """A window that does not fit a memory budget; the message names which memory."""
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """What the plan needs to know of a model, as plain numbers.
+
+    kv_width: elements per position of every attention layer's K and V together.
+    state_bytes: bytes of every recurrent layer's state at one chunk boundary.
+    """
+
+    kv_width: int
+    state_bytes: int = 0
+
+    @property
+    def recurrent(self) -> bool:
+        return self.state_bytes > 0
+
+
+@dataclass(frozen=True)
+class Chunk:
+    index: int
+    start: int
+    end: int
+    weight: float  # sum of the weights in [start, end)
+    needed: bool = True  # the reverse pass trains it
+    grad_from: int = 0  # first prefix position whose K/V is tapped
+    loss_scale: float = 0.0  # weight / window weight: the chunk losses sum to the window's
+    period_end: bool = False  # the chunk the reverse pass trains last: it takes the step
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+    @property
+    def labelled(self) -> bool:
+        return self.weight > 0
+
+
+@dataclass(frozen=True)
+class Plan:
+    window: int  # positions in the window, as given
+    chunk: int
+    horizon: int  # 0 = the whole window
+    chunks: tuple[Chunk, ...]  # up to the last labelled position
+    accumulator_bytes: int = 0
+    stride: int = 1  # a recurrent checkpoint every `stride` chunks
+    checkpoint_bytes: int = 0
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def computed(self) -> int:
+        """Positions the walk computes: up to and including the last label."""
+        return self.chunks[-1].end
+
+    @property
+    def host_bytes(self) -> int:
+        return self.accumulator_bytes + self.checkpoint_bytes
+
+    @property
+    def weight(self) -> float:
+        return sum(c.weight for c in self.chunks)
+
+    def reverse(self) -> list[Chunk]:
+        """The chunks the reverse pass trains, last to first."""
+        return [c for c in reversed(self.chunks) if c.needed]
+
+    def checkpointed(self, index: int) -> bool:
+        """Whether the forward decode keeps the recurrent state entering chunk `index`."""
+        return index % self.stride == 0 and index > 0
+
+
+def runs(weights: Sequence[float]) -> list[tuple[int, int, float]]:
+    """Maximal runs of equal weight, as (start, end, weight)."""
+    out: list[tuple[int, int, float]] = []
+    start = 0
+    for i in range(1, len(weights) + 1):
+        if i == len(weights) or weights[i] != weights[start]:
+            out.append((start, i, float(weights[start])))
+            start = i
+    return out
+
+
+def cut(weights: Sequence[float], chunk: int) -> list[Chunk]:
+    """Chunks of at most `chunk` positions that follow the runs and stop at the last label."""
+    if chunk < 1:
+        raise PlanError(f"chunk must be at least 1, got {chunk}")
+    last = max((i for i, w in enumerate(weights) if w > 0), default=-1)
+    if last < 0:
+        raise PlanError("the window has no labelled position (every weight is 0)")
+    chunks: list[Chunk] = []
+    for start, end, w in runs(weights[: last + 1]):
+        for s in range(start, end, chunk):
+            e = min(s + chunk, end)
+            chunks.append(Chunk(len(chunks), s, e, w * (e - s)))
+    return chunks
+
+
+def grad_from(start: int, horizon: int) -> int:
+    """First prefix position whose K/V gradient a chunk starting at `start` keeps."""
+    return 0 if horizon <= 0 else max(0, start - horizon)
+
+
+def mark(chunks: Sequence[Chunk], horizon: int, recurrent: bool) -> list[Chunk]:
+    """The exact walk's marks, from the last chunk to the first.
+
+    A chunk is needed when it is labelled, or a later needed chunk reads its K/V inside the horizon,
+    or (recurrent models) a later needed chunk starts from its state.
+    """
+    total = sum(c.weight for c in chunks)
+    marked: list[Chunk] = []
+    reach = math.inf  # smallest grad_from among the needed chunks after this one
+    later_needed = False
+    for c in reversed(chunks):
+        needed = c.labelled or c.end > reach or (recurrent and later_needed)
+        gf = grad_from(c.start, horizon)
+        if needed:
+            reach = min(reach, gf)
+            later_needed = True
+        marked.append(replace(c, needed=needed, grad_from=gf, loss_scale=c.weight / total))
+    marked.reverse()
+    first = next(c.index for c in marked if c.needed)
+    marked[first] = replace(marked[first], period_end=True)
+    return marked
+
+
+def accumulator_bytes(positions: int, footprint: Footprint, element_bytes: int = 4) -> int:
+    """The K/V gradient accumulators: every computed position of every attention layer."""
+    return positions * footprint.kv_width * element_bytes
+
+
+def checkpoint_bytes(n_chunks: int, stride: int, footprint: Footprint) -> int:
+    """Recurrent states kept by the forward decode: every stride-th chunk start but the first
+    (the state entering chunk 0 is zero)."""
+    if not footprint.recurrent:
+        return 0
+    return (math.ceil(n_chunks / stride) - 1) * footprint.state_bytes
+
+
+def stride_for(
+    n_chunks: int, fixed_bytes: int, footprint: Footprint, budget: int | None
+) -> int | None:
+    """Smallest checkpoint stride that fits `budget` beside `fixed_bytes`; None if none does."""
+    if budget is None:
+        return 1
+    for stride in range(1, max(n_chunks, 1) + 1):
+        if fixed_bytes + checkpoint_bytes(n_chunks, stride, footprint) <= budget:
+            return stride
+        if not footprint.recurrent:
+            break
+    return None
+
+
+def mib(n: float) -> str:
+    return f"{n / MIB:.1f} MiB"
+
+
+def plan_window(
+    weights: Sequence[float],
+    chunk: int,
+    footprint: Footprint,
+    *,
+    horizon: int = 0,
+    host_budget: int | None = None,
+    accumulator_element_bytes: int = 4,
+) -> Plan:
+    """The exact walk's plan for one window, or OutOfMemory when the host budget can't hold it.
+
+    host_budget is in bytes (None = unbounded).
+    """
+    if horizon < 0:
+        raise PlanError(f"horizon must be 0 (the whole window) or positive, got {horizon}")
+    chunks = mark(cut(weights, chunk), horizon, footprint.recurrent)
+    positions = chunks[-1].end
+    acc = accumulator_bytes(positions, footprint, accumulator_element_bytes)
+    stride = stride_for(len(chunks), acc, footprint, host_budget)
+    if stride is None:
+        least = acc + checkpoint_bytes(len(chunks), len(chunks), footprint)
+        raise OutOfMemory(
+            f"host memory: the walk needs {mib(least)} at least "
+            f"(K/V gradient accumulators {mib(acc)} for {positions} positions) "
+            f"but the host budget is {mib(host_budget or 0)}; "
+            "a shorter window or a larger host budget would fit"
+        )
+    return Plan(
+        window=len(weights),
+        chunk=chunk,
+        horizon=horizon,
+        chunks=tuple(chunks),
+        accumulator_bytes=acc,
+        stride=stride,
+        checkpoint_bytes=checkpoint_bytes(len(chunks), stride, footprint),
+    )

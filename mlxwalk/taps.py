@@ -1,0 +1,182 @@
+"""The caches a chunk's graph runs through: the training graph is the serving graph.
+
+mlx-lm models read and write their attention K/V through `cache.update_and_fetch` and their
+recurrent state through an `ArraysCache`. A chunk of the walk hands each layer a cache object that
+looks like those, but whose prefix (K/V of earlier positions, or the state entering the chunk) is a
+differentiable input, a tap, and which records what the chunk itself produces (its K/V, its exit
+state) so the chunk's objective can add the surrogate <produced, adjoint> for the later chunks.
+
+`walk_layers` wraps each decoder layer for the duration of a walk so that the taps enter the layer
+as explicit inputs: that is what lets `mx.checkpoint` (recompute) carry their gradient, since a
+checkpointed function treats arrays it closes over as constants.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import mlx.core as mx
+from mlx import nn
+from mlx_lm.models.cache import create_attention_mask
+
+
+def inner(a: mx.array, b: mx.array) -> mx.array:
+    """<a, b> in float32."""
+    return (a.astype(mx.float32) * b.astype(mx.float32)).sum()
+
+
+class ChunkKV:
+    """An attention layer's cache for one chunk starting at `offset`.
+
+    The prefix [0, offset) is `fixed` (constants, [0, grad_from)) followed by `taps`
+    ([grad_from, offset), differentiable). `adjoint` is dL/d(this chunk's K/V) from later chunks.
+    """
+
+    def __init__(
+        self,
+        offset: int,
+        fixed: tuple[mx.array, mx.array] | None = None,
+        taps: tuple[mx.array, mx.array] | None = None,
+        adjoint: tuple[mx.array, mx.array] | None = None,
+    ):
+        self.offset = offset
+        self.fixed = fixed
+        self.taps = taps
+        self.adjoint = adjoint
+        self.keys: mx.array | None = None  # the chunk's own K/V, once the layer ran
+        self.values: mx.array | None = None
+        self.surrogate_value: mx.array = mx.array(0.0)
+
+    def inputs(self) -> list[mx.array]:
+        return list(self.taps) if self.taps is not None else []
+
+    def bind(self, inputs: list[mx.array]) -> None:
+        if inputs:
+            self.taps = (inputs[0], inputs[1])
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self.keys, self.values = keys, values
+        parts = [p for p in (self.fixed, self.taps) if p is not None]
+        if not parts:
+            return keys, values
+        return (
+            mx.concatenate([p[0] for p in parts] + [keys], axis=2),
+            mx.concatenate([p[1] for p in parts] + [values], axis=2),
+        )
+
+    def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None):
+        return create_attention_mask(n, self.offset, return_array, window_size)
+
+    def surrogate(self) -> mx.array:
+        if self.adjoint is None:
+            return mx.array(0.0)
+        return inner(self.keys, self.adjoint[0]) + inner(self.values, self.adjoint[1])
+
+    def produced(self) -> tuple[mx.array, mx.array]:
+        return self.keys, self.values
+
+
+class ChunkState:
+    """A recurrent layer's cache for one chunk, shaped like mlx-lm's ArraysCache.
+
+    `entry` is the state entering the chunk (a tap when `tapped`); after the layer runs, the
+    cache holds the chunk's exit state, and `adjoint` is dL/d(exit state) from the next chunk.
+    """
+
+    lengths = None
+    left_padding = None
+
+    def __init__(
+        self,
+        entry: list[mx.array],
+        tapped: bool = False,
+        adjoint: list[mx.array] | None = None,
+    ):
+        self.entry = list(entry)
+        self.cache = list(entry)
+        self.tapped = tapped
+        self.adjoint = adjoint
+        self.surrogate_value: mx.array = mx.array(0.0)
+
+    def __getitem__(self, i: int) -> mx.array:
+        return self.cache[i]
+
+    def __setitem__(self, i: int, value: mx.array) -> None:
+        self.cache[i] = value
+
+    def inputs(self) -> list[mx.array]:
+        return list(self.entry) if self.tapped else []
+
+    def bind(self, inputs: list[mx.array]) -> None:
+        # Every call starts from the entry state: a recomputed layer must not see its own exit.
+        if inputs:
+            self.entry = list(inputs)
+        self.cache = list(self.entry)
+
+    def advance(self, n: int) -> None:
+        pass
+
+    def make_mask(self, n: int):
+        return None
+
+    def surrogate(self) -> mx.array:
+        if self.adjoint is None:
+            return mx.array(0.0)
+        return sum((inner(s, g) for s, g in zip(self.cache, self.adjoint)), mx.array(0.0))
+
+    def produced(self) -> list[mx.array]:
+        return list(self.cache)
+
+
+ChunkCache = (ChunkKV, ChunkState)
+
+
+def _find_cache(args: tuple, kwargs: dict):
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, ChunkCache):
+            return a
+    return None
+
+
+_walk_classes: dict[tuple[type, bool], type] = {}
+
+
+def _walk_class(base: type, recompute: bool) -> type:
+    """A subclass of a decoder layer whose call takes the layer's taps as explicit inputs."""
+    key = (base, recompute)
+    if key in _walk_classes:
+        return _walk_classes[key]
+    call = base.__call__
+
+    def __call__(self, x, *args, **kwargs):
+        cache = _find_cache(args, kwargs)
+        if cache is None:
+            return call(self, x, *args, **kwargs)
+
+        def layer(params, x, taps):
+            self.update(params)
+            cache.bind(taps)
+            return call(self, x, *args, **kwargs), cache.surrogate()
+
+        fn = mx.checkpoint(layer) if recompute else layer
+        y, cache.surrogate_value = fn(self.trainable_parameters(), x, cache.inputs())
+        return y
+
+    cls = type(f"Walk{base.__name__}", (base,), {"__call__": __call__})
+    _walk_classes[key] = cls
+    return cls
+
+
+@contextmanager
+def walk_layers(model: nn.Module, recompute: bool = False) -> Iterator[None]:
+    """Within the block, the model's decoder layers take their taps as inputs (see module doc)."""
+    layers = list(model.layers)
+    bases = [layer.__class__ for layer in layers]
+    try:
+        for layer, base in zip(layers, bases):
+            layer.__class__ = _walk_class(base, recompute)
+        yield
+    finally:
+        for layer, base in zip(layers, bases):
+            layer.__class__ = base

@@ -1,0 +1,358 @@
+"""The walks over one window: exact (one step on the whole window's gradient) and plain.
+
+Exact walk (see DESIGN.md):
+  1. decode_forward: every chunk, first to last, runs with no gradient against the K/V store of
+     the positions before it; its K/V go into the store, and (recurrent layers) the state entering
+     every stride-th chunk is kept as a checkpoint.
+  2. reverse: every needed chunk, last to first, runs as a graph whose inputs are the adapter, the
+     prefix K/V on [grad_from, start) and the entry state; its objective is its share of the loss
+     plus <own K/V, adjoint> + <exit state, adjoint>, the adjoints being what later chunks sent back.
+     The gradients go to the adapter's sum, the K/V accumulators and the state adjoint.
+  3. the caller takes one optimizer step on the summed gradient.
+
+Invariant: the adapter does not change between the start of decode_forward and the end of
+reverse. The reverse pass recomputes each chunk's K/V and exit state and pairs them with adjoints
+taken against the stored ones; a step in between would make every surrogate the gradient of a
+different function.
+
+Plain walk: chunk by chunk, the prefix as constants, the chunk's loss only; with a step per chunk,
+the chunk is then re-decoded under the new adapter so later chunks read what it now produces.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+from mlx import nn
+
+from . import arch
+from .accum import ACCUMULATOR_DTYPES, Accumulators
+from .plan import MIB, Chunk, PlanError, cut, plan_window
+from .store import KVStore, check_cache_type
+from .taps import ChunkKV, ChunkState, walk_layers
+
+WALKS = ("exact", "plain", "one-graph")
+
+State = list[list[mx.array]] | None  # per recurrent layer, its state arrays
+
+
+@dataclass
+class WalkConfig:
+    chunk: int
+    horizon: int = 0  # 0 = the whole window
+    cache_type: str = "float32"
+    recompute: bool = False  # activation checkpointing inside each chunk's graph
+    host_budget_mib: float | None = None
+    accumulator_dtype: str = "float32"
+
+    def check(self) -> WalkConfig:
+        if self.chunk < 1:
+            raise PlanError(f"chunk must be at least 1, got {self.chunk}")
+        if self.horizon < 0:
+            raise PlanError(f"horizon must be 0 (the whole window) or positive, got {self.horizon}")
+        check_cache_type(self.cache_type)
+        if self.accumulator_dtype not in ACCUMULATOR_DTYPES:
+            raise PlanError(
+                f"accumulator dtype {self.accumulator_dtype!r} is unknown; "
+                f"choose one of {', '.join(ACCUMULATOR_DTYPES)}"
+            )
+        return self
+
+    @property
+    def host_budget(self) -> int | None:
+        return None if self.host_budget_mib is None else int(self.host_budget_mib * MIB)
+
+
+@dataclass(frozen=True)
+class Window:
+    inputs: np.ndarray  # int, length n
+    targets: np.ndarray  # int, length n
+    weights: np.ndarray  # float, length n; 0 = context
+
+    @classmethod
+    def of(cls, inputs, targets, weights) -> Window:
+        x, y = np.asarray(inputs).reshape(-1), np.asarray(targets).reshape(-1)
+        w = np.asarray(weights, dtype=np.float32).reshape(-1)
+        if not (len(x) == len(y) == len(w)):
+            raise PlanError(
+                f"inputs, targets and weights differ in length ({len(x)}, {len(y)}, {len(w)})"
+            )
+        if (w < 0).any():
+            raise PlanError("weights must not be negative")
+        if not (w > 0).any():
+            raise PlanError("the window has no labelled position (every weight is 0)")
+        return cls(x.astype(np.int32), y.astype(np.int32), w)
+
+    def __len__(self) -> int:
+        return len(self.inputs)
+
+    @property
+    def total(self) -> float:
+        return float(self.weights.sum())
+
+    def arrays(self, start: int, end: int) -> tuple[mx.array, mx.array, mx.array]:
+        return (
+            mx.array(self.inputs[start:end])[None],
+            mx.array(self.targets[start:end])[None],
+            mx.array(self.weights[start:end])[None],
+        )
+
+
+def weighted_loss(logits: mx.array, targets: mx.array, weights: mx.array, total: float):
+    """sum(w * CE) / total, in float32."""
+    ce = nn.losses.cross_entropy(logits.astype(mx.float32), targets, reduction="none")
+    return (ce * weights).sum() / total
+
+
+class _ChunkRunner:
+    """What both walks do with a chunk: build its caches, decode it, run its graph."""
+
+    def __init__(self, model: nn.Module, window: Window, config: WalkConfig, layout=None):
+        self.model = model
+        self.window = window
+        self.config = config.check()
+        self.layout = layout or arch.inspect(model)
+        self.store: KVStore | None = None
+
+    def _new_store(self, positions: int) -> None:
+        lay = self.layout
+        self.store = KVStore(list(lay.kv_shapes), positions, self.config.cache_type, lay.dtype)
+
+    def zero_state(self) -> State:
+        lay = self.layout
+        if not lay.recurrent:
+            return None
+        return [
+            [mx.zeros(s, d) for s, d in zip(shapes, dtypes)]
+            for shapes, dtypes in zip(lay.state_shapes, lay.state_dtypes)
+        ]
+
+    def caches(
+        self,
+        chunk: Chunk,
+        entry: State,
+        *,
+        grad_from: int | None = None,  # None: the prefix is constant
+        tap_state: bool = False,
+        acc: Accumulators | None = None,
+    ) -> list:
+        """One cache per layer for `chunk`; taps on [grad_from, start) and, if asked, the state."""
+        out, a, r, dtype = [], 0, 0, self.layout.dtype
+        s = chunk.start
+        for kind in self.layout.kinds:
+            if kind == "attention":
+                gf = s if grad_from is None else grad_from
+                fixed = self.store.read(a, 0, gf, dtype) if gf > 0 else None
+                taps = self.store.read(a, gf, s, dtype) if s > gf else None
+                adjoint = acc.adjoint(a, s, chunk.end) if acc is not None else None
+                out.append(ChunkKV(s, fixed, taps, adjoint))
+                a += 1
+            else:
+                adjoint = acc.state[r] if acc is not None and acc.state is not None else None
+                out.append(ChunkState(entry[r], tapped=tap_state, adjoint=adjoint))
+                r += 1
+        return out
+
+    def decode(self, chunk: Chunk, entry: State, write: bool = True) -> State:
+        """Run `chunk` with no gradient; write its K/V to the store; return its exit state."""
+        caches = self.caches(chunk, entry)
+        x, _, _ = self.window.arrays(chunk.start, chunk.end)
+        self.model(x, cache=caches)  # lazy: only the K/V and states below are computed
+        exit_state = [c.produced() for c in caches if isinstance(c, ChunkState)] or None
+        if write:
+            kv = [c for c in caches if isinstance(c, ChunkKV)]
+            for a, c in enumerate(kv):
+                self.store.write(a, chunk.start, *c.produced())
+        mx.eval(self.store.arrays() if write else [], exit_state)
+        return exit_state
+
+    def graph(self, chunk: Chunk, caches: list):
+        """The chunk's loss share plus its surrogates, differentiated in the adapter and taps."""
+        model, total = self.model, self.window.total
+        x, y, w = self.window.arrays(chunk.start, chunk.end)
+
+        def objective(params, inputs):
+            model.update(params)
+            for c, i in zip(caches, inputs):
+                c.bind(i)
+            logits = model(x, cache=caches)
+            # A context chunk's logits stay out of the graph: it trains through its surrogate.
+            loss = weighted_loss(logits, y, w, total) if chunk.labelled else mx.array(0.0)
+            return loss + sum(c.surrogate_value for c in caches), loss
+
+        (_, loss), (g_params, g_inputs) = mx.value_and_grad(objective, argnums=(0, 1))(
+            model.trainable_parameters(), [c.inputs() for c in caches]
+        )
+        return loss, g_params, g_inputs
+
+
+class ExactWalk(_ChunkRunner):
+    """One window's exact walk; the plan (and any refusal) comes before any array."""
+
+    def __init__(self, model: nn.Module, window: Window, config: WalkConfig, layout=None):
+        super().__init__(model, window, config, layout)
+        self.plan = plan_window(
+            window.weights.tolist(),
+            self.config.chunk,
+            self.layout.footprint(),
+            horizon=self.config.horizon,
+            host_budget=self.config.host_budget,
+            accumulator_element_bytes=ACCUMULATOR_DTYPES[self.config.accumulator_dtype].size,
+        )
+        self.checkpoints: dict[int, State] = {}
+
+    def run(self) -> tuple[mx.array, dict]:
+        with walk_layers(self.model, self.config.recompute):
+            self.decode_forward()
+            return self.reverse()
+
+    def decode_forward(self) -> None:
+        self._new_store(self.plan.computed)
+        self.checkpoints = {}
+        state = self.zero_state()
+        for chunk in self.plan.chunks:
+            if self.plan.checkpointed(chunk.index):
+                self.checkpoints[chunk.index] = state
+            state = self.decode(chunk, state)
+
+    def entry_state(self, chunk: Chunk) -> State:
+        """The state entering `chunk`: its checkpoint, or decoded forward from the nearest one."""
+        if not self.layout.recurrent:
+            return None
+        first = chunk.index - chunk.index % self.plan.stride
+        state = self.checkpoints[first] if first > 0 else self.zero_state()
+        for c in self.plan.chunks[first : chunk.index]:
+            state = self.decode(c, state, write=False)
+        return state
+
+    def reverse(self) -> tuple[mx.array, dict]:
+        acc = Accumulators(
+            list(self.layout.kv_shapes), self.plan.computed, self.config.accumulator_dtype
+        )
+        loss = mx.array(0.0)
+        for chunk in self.plan.reverse():
+            loss = loss + self.train_chunk(chunk, acc)
+            mx.eval(loss)
+        return loss, acc.grads
+
+    def train_chunk(self, chunk: Chunk, acc: Accumulators) -> mx.array:
+        caches = self.caches(
+            chunk,
+            self.entry_state(chunk),
+            grad_from=chunk.grad_from,
+            tap_state=chunk.index > 0,
+            acc=acc,
+        )
+        loss, g_params, g_inputs = self.graph(chunk, caches)
+        mx.eval(loss, g_params, g_inputs)
+        del caches  # release the adjoint slices so the updates below reuse the buffers
+        a, states = 0, []
+        for kind, g in zip(self.layout.kinds, g_inputs):
+            if kind == "attention":
+                if g:
+                    acc.add_kv(a, chunk.grad_from, g[0], g[1])
+                a += 1
+            else:
+                states.append(g)
+        acc.state = states if chunk.index > 0 and states else None
+        acc.add_grads(g_params)
+        mx.eval(acc.arrays())
+        return loss
+
+
+class PlainWalk(_ChunkRunner):
+    """Chunk by chunk; the gradient stops at every chunk boundary."""
+
+    def run(self, step: Callable[[dict], None] | None = None) -> tuple[mx.array, dict]:
+        """With `step`, one optimizer step per labelled chunk; the result's gradient is the sum of
+        the chunks' gradients, each taken at the adapter that chunk saw."""
+        chunks = cut(self.window.weights.tolist(), self.config.chunk)
+        loss, grads = mx.array(0.0), None
+        with walk_layers(self.model, self.config.recompute):
+            self._new_store(chunks[-1].end)
+            state = self.zero_state()
+            for chunk in chunks:
+                if chunk.labelled:
+                    l, g, _ = self.graph(chunk, self.caches(chunk, state))
+                    mx.eval(l, g)
+                    if step is not None:
+                        step(g)
+                    loss = loss + l
+                    grads = g if grads is None else _tree_add(grads, g)
+                state = self.decode(chunk, state)
+        return loss, grads
+
+
+def _tree_add(a, b):
+    from mlx.utils import tree_map
+
+    return tree_map(mx.add, a, b)
+
+
+def one_graph(model: nn.Module, window: Window) -> tuple[mx.array, dict]:
+    """The reference: the whole window as one graph, no cache."""
+    x, y, w = window.arrays(0, len(window))
+
+    def objective(params):
+        model.update(params)
+        return weighted_loss(model(x), y, w, window.total)
+
+    return mx.value_and_grad(objective)(model.trainable_parameters())
+
+
+def window_gradient(
+    model: nn.Module,
+    inputs,
+    targets,
+    weights,
+    *,
+    chunk: int,
+    walk: str = "exact",
+    cache_type: str = "float32",
+    horizon: int = 0,
+    recompute: bool = False,
+    host_budget_mib: float | None = None,
+) -> tuple[float, dict]:
+    """The window's loss sum(w * CE) / sum(w) and its gradient in `model.trainable_parameters()`.
+
+    walk="exact" walks the window in chunks and equals "one-graph" to rounding; "plain" returns the
+    sum of its per-chunk gradients at the unchanged adapter. Raises ValueError for a window with no
+    labelled position, chunk < 1, or lengths that differ.
+    """
+    if walk not in WALKS:
+        raise PlanError(f"walk {walk!r} is unknown; choose one of {', '.join(WALKS)}")
+    window = Window.of(inputs, targets, weights)
+    config = WalkConfig(
+        chunk=chunk,
+        horizon=horizon,
+        cache_type=cache_type,
+        recompute=recompute,
+        host_budget_mib=host_budget_mib,
+    ).check()
+    if walk == "one-graph":
+        loss, grads = one_graph(model, window)
+    elif walk == "exact":
+        loss, grads = ExactWalk(model, window, config).run()
+    else:
+        loss, grads = PlainWalk(model, window, config).run()
+    mx.eval(loss, grads)
+    return loss.item(), grads
+
+
+def train_window(
+    model: nn.Module, optimizer, window: Window, config: WalkConfig, walk: str = "exact"
+) -> float:
+    """Train on one window: the exact walk takes one step, the plain walk one per labelled chunk.
+    A refusal (memory, bad input) is raised before any array is allocated or any step taken."""
+    if walk == "exact":
+        loss, grads = ExactWalk(model, window, config).run()
+        optimizer.update(model, grads)
+    elif walk == "plain":
+        loss, _ = PlainWalk(model, window, config).run(step=lambda g: optimizer.update(model, g))
+    else:
+        raise PlanError(f"walk {walk!r} cannot train; choose exact or plain")
+    mx.eval(model.parameters(), optimizer.state)
+    return loss.item()
