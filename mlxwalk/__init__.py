@@ -1,6 +1,10 @@
 """mlxwalk: LoRA fine-tuning on very long windows with MLX, one chunk's graph at a time."""
 
-from .walk import WalkConfig, Window, one_graph, train_window, window_gradient
+from ._blas import use_openblas
+
+use_openblas()  # before anything loads mlx (see _blas.py)
+
+from .walk import WalkConfig, Window, one_graph, train_window, window_gradient  # noqa: E402
 
 __all__ = ["WalkConfig", "Window", "one_graph", "train_window", "window_gradient"]
 __version__ = "0.1.0"

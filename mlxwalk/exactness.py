@@ -53,7 +53,8 @@ class Row:
             got = f"cosine {self.cosine:.6f}, norm ratio {self.norm_ratio:.6f}"
         else:
             got = self.detail
-        return f"  {self.row:<5}{self.what:<58}{got:<46}{'OK' if self.ok else 'FAILED'}"
+        verdict = "OK" if self.ok else "FAILED"
+        return f"  {self.row:<5}{self.what:<58}{got:<44}{verdict:<7}[{self.bar}]"
 
 
 def flat(tree) -> np.ndarray:

@@ -153,13 +153,14 @@ def _init(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.nda
 
 
 def _write_weights(spec: TinySpec, file: Path) -> None:
+    import copy
     import importlib
 
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
     arch = importlib.import_module(f"mlx_lm.models.{spec.config['model_type']}")
-    model = arch.Model(arch.ModelArgs.from_dict(spec.config))
+    model = arch.Model(arch.ModelArgs.from_dict(copy.deepcopy(spec.config)))  # args edit it
     rng = np.random.default_rng(spec.seed)
     weights = {
         name: mx.array(_init(name, tuple(p.shape), rng).astype(np.float32))

@@ -6,7 +6,8 @@ Exact walk (see DESIGN.md):
      every stride-th chunk is kept as a checkpoint.
   2. reverse: every needed chunk, last to first, runs as a graph whose inputs are the adapter, the
      prefix K/V on [grad_from, start) and the entry state; its objective is its share of the loss
-     plus <own K/V, adjoint> + <exit state, adjoint>, the adjoints being what later chunks sent back.
+     plus <own K/V, adjoint> + <exit state, adjoint>, the adjoints being what later chunks sent
+     back.
      The gradients go to the adapter's sum, the K/V accumulators and the state adjoint.
   3. the caller takes one optimizer step on the summed gradient.
 
@@ -276,11 +277,11 @@ class PlainWalk(_ChunkRunner):
             state = self.zero_state()
             for chunk in chunks:
                 if chunk.labelled:
-                    l, g, _ = self.graph(chunk, self.caches(chunk, state))
-                    mx.eval(l, g)
+                    chunk_loss, g, _ = self.graph(chunk, self.caches(chunk, state))
+                    mx.eval(chunk_loss, g)
                     if step is not None:
                         step(g)
-                    loss = loss + l
+                    loss = loss + chunk_loss
                     grads = g if grads is None else _tree_add(grads, g)
                 state = self.decode(chunk, state)
         return loss, grads

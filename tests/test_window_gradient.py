@@ -1,0 +1,55 @@
+"""The public entry: exactness on the bundled attention model, its contract, and its refusals."""
+
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from mlxwalk import window_gradient
+from mlxwalk.exactness import Table, compare
+
+N = 128
+rng = np.random.default_rng(1)
+IDS = rng.integers(0, 256, N + 1)
+X, Y = IDS[:-1], IDS[1:]
+
+
+def test_exact_walk_equals_one_graph_and_plain_does_not(qwen2):
+    w = np.r_[np.zeros(40), np.ones(70), np.zeros(18)]
+    l1, one = window_gradient(qwen2, X, Y, w, chunk=N, walk="one-graph")
+    le, exact = window_gradient(qwen2, X, Y, w, chunk=24)
+    lp, plain = window_gradient(qwen2, X, Y, w, chunk=24, walk="plain")
+    c, r = compare(exact, one)
+    assert c >= 0.99999 and abs(r - 1) <= 1e-3
+    assert le == pytest.approx(l1, rel=1e-5) and lp == pytest.approx(l1, rel=1e-5)
+    assert compare(plain, one)[0] < 0.95
+    names = [k for k, _ in tree_flatten(qwen2.trainable_parameters())]
+    assert [k for k, _ in tree_flatten(exact)] == names
+
+
+def test_horizon_cuts_only_far_gradient(qwen2):
+    w = np.ones(N)
+    _, one = window_gradient(qwen2, X, Y, w, chunk=N, walk="one-graph")
+    _, near = window_gradient(qwen2, X, Y, w, chunk=32, horizon=32)
+    _, whole = window_gradient(qwen2, X, Y, w, chunk=32, horizon=N)
+    assert compare(whole, one)[0] >= 0.99999  # a horizon covering the window is exact
+    assert compare(near, one)[0] < compare(whole, one)[0]
+
+
+def test_every_row_of_the_table_holds(qwen2):
+    rows = Table(qwen2, "tiny-qwen2").run()
+    assert rows and all(r.ok for r in rows), "\n".join(r.line() for r in rows)
+
+
+@pytest.mark.parametrize(
+    "kwargs, inputs, match",
+    [
+        ({"chunk": 8}, (X, Y, np.zeros(N)), "no labelled position"),
+        ({"chunk": 0}, (X, Y, np.ones(N)), "chunk must be at least 1"),
+        ({"chunk": 8}, (X, Y[:-1], np.ones(N)), "differ in length"),
+        ({"chunk": 8, "walk": "sideways"}, (X, Y, np.ones(N)), "walk 'sideways' is unknown"),
+        ({"chunk": 8, "cache_type": "q3"}, (X, Y, np.ones(N)), "cache type 'q3' is unknown"),
+    ],
+)
+def test_bad_input_raises_value_error(qwen2, kwargs, inputs, match):
+    with pytest.raises(ValueError, match=match):
+        window_gradient(qwen2, *inputs, **kwargs)
