@@ -1,0 +1,33 @@
+"""The command line: exit codes, JSON, and one-line errors."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "mlxwalk", *args], capture_output=True, text=True, cwd=ROOT
+    )
+
+
+def test_test_walk_exact_json_on_a_model_folder(qwen2_path):
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "test-walk-exact"), "-m", qwen2_path, "--json"],
+        capture_output=True,
+        text=True,
+    )
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["ok"] and len(out["rows"]) == 8
+    assert {r["row"] for r in out["rows"]} == {"(1)", "(1b)", "(2)", "(3)", "(7)"}
+
+
+def test_a_missing_model_is_one_line_and_exit_2(tmp_path):
+    p = run("test-walk-exact", "-m", str(tmp_path / "nowhere"))
+    assert p.returncode == 2
+    assert p.stderr.count("\n") == 1 and "Traceback" not in p.stderr
+    assert "nowhere" in p.stderr
