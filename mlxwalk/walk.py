@@ -22,7 +22,8 @@ the chunk is then re-decoded under the new adapter so later chunks read what it 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -31,6 +32,7 @@ from mlx import nn
 
 from . import arch
 from .accum import ACCUMULATOR_DTYPES, Accumulators
+from .delta import fast_recurrence
 from .plan import MIB, Chunk, PlanError, cut, plan_window
 from .store import KVStore, check_cache_type
 from .taps import ChunkKV, ChunkState, walk_layers
@@ -106,6 +108,13 @@ def weighted_loss(logits: mx.array, targets: mx.array, weights: mx.array, total:
     """sum(w * CE) / total, in float32."""
     ce = nn.losses.cross_entropy(logits.astype(mx.float32), targets, reduction="none")
     return (ce * weights).sum() / total
+
+
+@contextmanager
+def walking(model: nn.Module, recompute: bool) -> Iterator[None]:
+    """The model as the walk runs it: taps through every layer, the chunked delta rule."""
+    with walk_layers(model, recompute), fast_recurrence(model):
+        yield
 
 
 class _ChunkRunner:
@@ -206,7 +215,7 @@ class ExactWalk(_ChunkRunner):
         self.checkpoints: dict[int, State] = {}
 
     def run(self) -> tuple[mx.array, dict]:
-        with walk_layers(self.model, self.config.recompute):
+        with walking(self.model, self.config.recompute):
             self.decode_forward()
             return self.reverse()
 
@@ -272,7 +281,7 @@ class PlainWalk(_ChunkRunner):
         the chunks' gradients, each taken at the adapter that chunk saw."""
         chunks = cut(self.window.weights.tolist(), self.config.chunk)
         loss, grads = mx.array(0.0), None
-        with walk_layers(self.model, self.config.recompute):
+        with walking(self.model, self.config.recompute):
             self._new_store(chunks[-1].end)
             state = self.zero_state()
             for chunk in chunks:
@@ -301,7 +310,8 @@ def one_graph(model: nn.Module, window: Window) -> tuple[mx.array, dict]:
         model.update(params)
         return weighted_loss(model(x), y, w, window.total)
 
-    return mx.value_and_grad(objective)(model.trainable_parameters())
+    with fast_recurrence(model):
+        return mx.value_and_grad(objective)(model.trainable_parameters())
 
 
 def window_gradient(

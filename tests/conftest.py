@@ -31,3 +31,13 @@ def qwen2(qwen2_path):
 
     model, _ = mlx_lm.load(qwen2_path)
     return prepare(model)
+
+
+@pytest.fixture
+def hybrid(hybrid_path):
+    import mlx_lm
+
+    from mlxwalk.exactness import prepare
+
+    model, _ = mlx_lm.load(hybrid_path)
+    return prepare(model)

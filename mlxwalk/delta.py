@@ -1,0 +1,242 @@
+"""The gated delta rule, chunked, as an `mx.custom_function` fit for training.
+
+Per value head, with S the (Dv x Dk) state, g_t in (0, 1] the decay and beta_t the write strength:
+    S_t = g_t S_{t-1} + beta_t (v_t - g_t S_{t-1} k_t) k_t^T,    o_t = S_t q_t.
+mlx-lm trains this through a per-token loop whose autodiff keeps every S_t (T x Dv x Dk floats per
+head). Here the sequence is cut into chunks of C (64) positions. Inside a chunk, with gamma_t the
+decay accumulated since the chunk's start and S the state entering it (the WY form):
+    A_ij = beta_i (gamma_i / gamma_j) k_i.k_j  (j < i),   T = (I + A)^-1
+    U    = T diag(beta) V - T diag(beta gamma) K S^T          (the chunk's effective writes)
+    O    = diag(gamma) Q S^T + [(gamma_t / gamma_i) q_t.k_i]_{i <= t} U
+    S'   = gamma_C S + U^T diag(gamma_C / gamma) K
+Everything but the last line is parallel over the chunks; the chunks are walked in sequence only to
+carry S. The custom VJP recomputes the forward and differentiates it (activation checkpointing of
+the op), so between forward and backward nothing but the inputs is held; the triangular inverse
+has its own VJP (dA = -T^T dT T^T) so its substitution is never differentiated step by step.
+
+Inputs follow mlx-lm's `gated_delta_ops`: q, k (B, T, Hk, Dk); v (B, T, Hv, Dv) with Hv a multiple
+of Hk; log_g and beta (B, T, Hv) (scalar gates, given as log g for range); state (B, Hv, Dv, Dk),
+float32. Returns y (B, T, Hv, Dv) in q's dtype and the final state in float32.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import mlx.core as mx
+import mlx.nn as nn
+
+CHUNK = 64
+
+
+BLOCK = 16  # the inverse substitutes inside blocks of 16 rows, then merges blocks pairwise
+
+
+def _substitute(a: mx.array) -> mx.array:
+    """(I + A)^-1 for small strictly lower A (..., b, b): rows by forward substitution."""
+    b = a.shape[-1]
+    eye = mx.eye(b, dtype=a.dtype)
+    rows = [mx.broadcast_to(eye[0], (*a.shape[:-2], 1, b))]
+    for i in range(1, b):
+        # row i: e_i - A[i, :i] T[:i, :]
+        rows.append(eye[i] - a[..., i : i + 1, :i] @ mx.concatenate(rows, axis=-2))
+    return mx.concatenate(rows, axis=-2)
+
+
+@mx.custom_function
+def unit_lower_inverse(a: mx.array) -> mx.array:
+    """(I + A)^-1 for A strictly lower triangular (..., C, C).
+
+    Diagonal blocks of BLOCK rows are inverted by substitution, all at once; then pairs of blocks
+    merge: [[T11, 0], [A21, T22]] -> [[T11, 0], [-T22 A21 T11, T22]], doubling the block size."""
+    c = a.shape[-1]
+    size = min(BLOCK, c)
+    if c % size:
+        return _substitute(a)
+    lead = a.shape[:-2]
+    n = c // size
+    # the diagonal blocks: (..., n, size, size)
+    blocks = a.reshape(*lead, n, size, n, size).swapaxes(-3, -2)
+    idx = mx.arange(n)
+    t = _substitute(blocks[..., idx, idx, :, :])
+    while t.shape[-3] > 1:
+        m = t.shape[-3] // 2
+        s = t.shape[-1]
+        t11, t22 = t[..., 0::2, :, :], t[..., 1::2, :, :]
+        rows = (mx.arange(m) * 2 + 1) * s
+        cols = mx.arange(m) * 2 * s
+        a21 = mx.stack(
+            [a[..., r : r + s, q : q + s] for r, q in zip(rows.tolist(), cols.tolist())], axis=-3
+        )
+        low = -(t22 @ a21 @ t11)
+        zero = mx.zeros_like(t11)
+        top = mx.concatenate([t11, zero], axis=-1)
+        bottom = mx.concatenate([low, t22], axis=-1)
+        t = mx.concatenate([top, bottom], axis=-2)
+    return t[..., 0, :, :]
+
+
+@unit_lower_inverse.vjp
+def _unit_lower_inverse_vjp(primals, cotangent, output):
+    t = output
+    ta = t.swapaxes(-1, -2)
+    da = -(ta @ cotangent @ ta)
+    c = t.shape[-1]
+    return (da * mx.tril(mx.ones((c, c), dtype=da.dtype), -1),)
+
+
+def _chunks(x: mx.array, n: int, c: int) -> mx.array:
+    """(B, T, H, ...) padded to n * c positions -> (n, B, H, c, ...): a chunk is contiguous."""
+    b, t, h = x.shape[:3]
+    rest = x.shape[3:]
+    if n * c > t:
+        x = mx.concatenate([x, mx.zeros((b, n * c - t, h, *rest), x.dtype)], axis=1)
+    x = x.reshape(b, n, c, h, *rest)
+    return x.transpose(1, 0, 3, 2, *range(4, 4 + len(rest)))
+
+
+def _walk_chunks(u0, w, qg, p, kd, g_end, s):
+    """The sequential part: carry the state through the chunks; (outputs, exit, entry states)."""
+    outs, entries = [], []
+    for i in range(u0.shape[0]):
+        entries.append(s)
+        st = s.swapaxes(-1, -2)  # (B, H, Dk, Dv)
+        u = u0[i] - w[i] @ st
+        outs.append(qg[i] @ st + p[i] @ u)
+        s = g_end[i] * s + u.swapaxes(-1, -2) @ kd[i]
+    return mx.stack(outs), s, mx.stack(entries)
+
+
+@mx.custom_function
+def _recurrence_with_states(u0, w, qg, p, kd, g_end, s):
+    return _walk_chunks(u0, w, qg, p, kd, g_end, s)
+
+
+@_recurrence_with_states.vjp
+def _recurrence_vjp(primals, cotangents, outputs):
+    """The chunk recurrence's adjoint, walked in reverse; per-chunk gradients are stacked
+    (differentiating slices instead would scatter each into a full-size zero array)."""
+    u0, w, qg, p, kd, g_end, _ = primals
+    d_out, ds = cotangents[0], cotangents[1]
+    entries = outputs[2]
+    grads = {k: [] for k in ("u0", "w", "qg", "p", "kd", "g")}
+    for i in reversed(range(u0.shape[0])):
+        s, do = entries[i], d_out[i]
+        u = u0[i] - w[i] @ s.swapaxes(-1, -2)
+        du = p[i].swapaxes(-1, -2) @ do + kd[i] @ ds.swapaxes(-1, -2)
+        grads["p"].append(do @ u.swapaxes(-1, -2))
+        grads["qg"].append(do @ s)
+        grads["kd"].append(u @ ds)
+        grads["g"].append((ds * s).sum(axis=(-1, -2), keepdims=True))
+        grads["u0"].append(du)
+        grads["w"].append(-(du @ s))
+        ds = g_end[i] * ds + do.swapaxes(-1, -2) @ qg[i] - du.swapaxes(-1, -2) @ w[i]
+    g = {k: mx.stack(v[::-1]) for k, v in grads.items()}
+    return g["u0"], g["w"], g["qg"], g["p"], g["kd"], g["g"], ds
+
+
+def recurrence(u0, w, qg, p, kd, g_end, s):
+    """(outputs, exit state) of the chunk recurrence; entry states are kept for the VJP only."""
+    o, s_exit, _ = _recurrence_with_states(u0, w, qg, p, kd, g_end, s)
+    return o, s_exit
+
+
+def gated_delta_chunked(q, k, v, log_g, beta, state, chunk: int = CHUNK):
+    """The chunked gated delta rule in plain MLX ops (runs on every backend)."""
+    b, t, hk, dk = q.shape
+    hv, dv = v.shape[-2:]
+    out_dtype = q.dtype
+    if hv != hk:
+        q, k = mx.repeat(q, hv // hk, axis=2), mx.repeat(k, hv // hk, axis=2)
+    c = min(chunk, t)
+    n = -(-t // c)
+    f32 = mx.float32
+    # padded positions have k = v = beta = log_g = 0: they write nothing and do not decay
+    q, k, v = (_chunks(x.astype(f32), n, c) for x in (q, k, v))  # (n, B, H, c, D)
+    log_g, beta = (_chunks(x.astype(f32), n, c) for x in (log_g, beta))  # (n, B, H, c)
+
+    cum = mx.cumsum(log_g, axis=-1)  # log gamma
+    causal = mx.tril(mx.ones((c, c), dtype=mx.bool_))
+    # gamma_i / gamma_j on and below the diagonal, 0 above (exp of -inf), one exp for both uses
+    decay = mx.exp(mx.where(causal, cum[..., :, None] - cum[..., None, :], -mx.inf))
+    kt = k.swapaxes(-1, -2)
+    a = beta[..., None] * (k @ kt) * mx.tril(decay, -1)
+    tri = unit_lower_inverse(a)
+    gamma = mx.exp(cum)
+    w = tri @ ((beta * gamma)[..., None] * k)  # (n, B, H, c, Dk)
+    u0 = tri @ (beta[..., None] * v)  # (n, B, H, c, Dv)
+    p = (q @ kt) * decay  # (n, B, H, c, c)
+    qg = gamma[..., None] * q
+    kd = mx.exp(cum[..., -1:] - cum)[..., None] * k
+    g_end = gamma[..., -1:][..., None]  # (n, B, H, 1, 1)
+
+    o, s = recurrence(u0, w, qg, p, kd, g_end, state.astype(f32))
+    y = o.transpose(1, 0, 3, 2, 4).reshape(b, n * c, hv, dv)[:, :t]
+    return y.astype(out_dtype), s
+
+
+@mx.custom_function
+def gated_delta(q, k, v, log_g, beta, state):
+    """The gated delta rule with a recomputing VJP (see the module doc)."""
+    return gated_delta_chunked(q, k, v, log_g, beta, state)
+
+
+@gated_delta.vjp
+def _gated_delta_vjp(primals, cotangents, outputs):
+    _, grads = mx.vjp(gated_delta_chunked, list(primals), list(cotangents))
+    return tuple(grads)
+
+
+def gated_delta_update(
+    q,
+    k,
+    v,
+    a,
+    b,
+    A_log,
+    dt_bias,
+    state=None,
+    mask=None,
+    *,
+    use_kernel: bool = True,
+    lower_bound=None,
+    allow_neg_eigval: bool = False,
+):
+    """Drop-in for mlx-lm's `gated_delta_update` that trains through `gated_delta`."""
+    if mask is not None or lower_bound is not None:
+        return _mlx_lm_update(
+            q, k, v, a, b, A_log, dt_bias, state, mask,
+            use_kernel=use_kernel, lower_bound=lower_bound, allow_neg_eigval=allow_neg_eigval,
+        )  # fmt: skip
+    beta = mx.sigmoid(b)
+    if allow_neg_eigval:
+        beta = beta * 2.0
+    log_g = -mx.exp(A_log.astype(mx.float32)) * nn.softplus(a + dt_bias)
+    if state is None:
+        state = mx.zeros((q.shape[0], v.shape[-2], v.shape[-1], q.shape[-1]), mx.float32)
+    return gated_delta(q, k, v, log_g, beta, state)
+
+
+def _mlx_lm_update(*args, **kwargs):
+    from mlx_lm.models import gated_delta as reference
+
+    return reference.gated_delta_update(*args, **kwargs)
+
+
+@contextmanager
+def fast_recurrence(model: nn.Module) -> Iterator[None]:
+    """Within the block, the model's gated delta-net layers run through `gated_delta`."""
+    patched = []
+    for _, m in model.named_modules():
+        module = sys.modules.get(type(m).__module__)
+        if module is not None and getattr(module, "gated_delta_update", None) is not None:
+            if module not in [p[0] for p in patched]:
+                patched.append((module, module.gated_delta_update))
+                module.gated_delta_update = gated_delta_update
+    try:
+        yield
+    finally:
+        for module, original in patched:
+            module.gated_delta_update = original
