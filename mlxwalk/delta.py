@@ -147,17 +147,19 @@ def gated_delta_chunked(q, k, v, log_g, beta, state, chunk: int = CHUNK):
     """The chunked gated delta rule in plain MLX ops (runs on every backend)."""
     b, t, hk, dk = q.shape
     hv, dv = v.shape[-2:]
+    r = hv // hk  # value heads per key head: q and k broadcast over them, never repeated
     out_dtype = q.dtype
-    if hv != hk:
-        q, k = mx.repeat(q, hv // hk, axis=2), mx.repeat(k, hv // hk, axis=2)
     c = min(chunk, t)
     n = -(-t // c)
     f32 = mx.float32
-    # padded positions have k = v = beta = log_g = 0: they write nothing and do not decay
-    q, k, v = (_chunks(x.astype(f32), n, c) for x in (q, k, v))  # (n, B, H, c, D)
-    log_g, beta = (_chunks(x.astype(f32), n, c) for x in (log_g, beta))  # (n, B, H, c)
 
-    cum = mx.cumsum(log_g, axis=-1)  # log gamma
+    def split(x):  # (B, T, H, ...) -> (n, B, Hk, r or 1, c, ...)
+        x = _chunks(x.astype(f32), n, c)
+        return x.reshape(n, b, hk, x.shape[2] // hk, *x.shape[3:])
+
+    # padded positions have k = v = beta = log_g = 0: they write nothing and do not decay
+    q, k, v, log_g, beta = (split(x) for x in (q, k, v, log_g, beta))
+    cum = mx.cumsum(log_g, axis=-1)  # log gamma, (n, B, Hk, r, c)
     causal = mx.tril(mx.ones((c, c), dtype=mx.bool_))
     # gamma_i / gamma_j on and below the diagonal, 0 above (exp of -inf), one exp for both uses
     decay = mx.exp(mx.where(causal, cum[..., :, None] - cum[..., None, :], -mx.inf))
@@ -165,16 +167,17 @@ def gated_delta_chunked(q, k, v, log_g, beta, state, chunk: int = CHUNK):
     a = beta[..., None] * (k @ kt) * mx.tril(decay, -1)
     tri = unit_lower_inverse(a)
     gamma = mx.exp(cum)
-    w = tri @ ((beta * gamma)[..., None] * k)  # (n, B, H, c, Dk)
-    u0 = tri @ (beta[..., None] * v)  # (n, B, H, c, Dv)
-    p = (q @ kt) * decay  # (n, B, H, c, c)
+    w = tri @ ((beta * gamma)[..., None] * k)  # (n, B, Hk, r, c, Dk)
+    u0 = tri @ (beta[..., None] * v)  # (n, B, Hk, r, c, Dv)
+    p = (q @ kt) * decay  # (n, B, Hk, r, c, c)
     qg = gamma[..., None] * q
     kd = mx.exp(cum[..., -1:] - cum)[..., None] * k
-    g_end = gamma[..., -1:][..., None]  # (n, B, H, 1, 1)
+    g_end = gamma[..., -1:][..., None]  # (n, B, Hk, r, 1, 1)
 
-    o, s = recurrence(u0, w, qg, p, kd, g_end, state.astype(f32))
-    y = o.transpose(1, 0, 3, 2, 4).reshape(b, n * c, hv, dv)[:, :t]
-    return y.astype(out_dtype), s
+    s0 = state.astype(f32).reshape(b, hk, r, dv, dk)
+    o, s = recurrence(u0, w, qg, p, kd, g_end, s0)
+    y = o.transpose(1, 0, 4, 2, 3, 5).reshape(b, n * c, hv, dv)[:, :t]
+    return y.astype(out_dtype), s.reshape(b, hv, dv, dk)
 
 
 @mx.custom_function

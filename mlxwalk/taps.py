@@ -20,6 +20,8 @@ import mlx.core as mx
 from mlx import nn
 from mlx_lm.models.cache import create_attention_mask
 
+from .attention import Prefix
+
 
 def inner(a: mx.array, b: mx.array) -> mx.array:
     """<a, b> in float32."""
@@ -29,21 +31,29 @@ def inner(a: mx.array, b: mx.array) -> mx.array:
 class ChunkKV:
     """An attention layer's cache for one chunk starting at `offset`.
 
-    The prefix [0, offset) is `fixed` (constants, [0, grad_from)) followed by `taps`
-    ([grad_from, offset), differentiable). `adjoint` is dL/d(this chunk's K/V) from later chunks.
+    `prefix` reads the cached K/V of [0, offset) from the store. `taps`, when given, are zero
+    deltas on [grad_from, offset): the chunk's graph is differentiated in them, which is
+    differentiating in the cached K/V they stand on. `adjoint` is dL/d(this chunk's K/V) from
+    later chunks. With `tiled`, the model's attention call is routed to `chunk_attention`, which
+    reads the prefix tile by tile; otherwise `update_and_fetch` hands mlx-lm's attention the
+    concatenation (built lazily, so the tiled path never computes it).
     """
 
     def __init__(
         self,
         offset: int,
-        fixed: tuple[mx.array, mx.array] | None = None,
+        prefix: Prefix | None = None,
+        grad_from: int | None = None,
         taps: tuple[mx.array, mx.array] | None = None,
         adjoint: tuple[mx.array, mx.array] | None = None,
+        tiled: bool = True,
     ):
         self.offset = offset
-        self.fixed = fixed
+        self.prefix = prefix
+        self.grad_from = offset if grad_from is None else grad_from
         self.taps = taps
         self.adjoint = adjoint
+        self.tiled = tiled
         self.keys: mx.array | None = None  # the chunk's own K/V, once the layer ran
         self.values: mx.array | None = None
         self.surrogate_value: mx.array = mx.array(0.0)
@@ -57,12 +67,16 @@ class ChunkKV:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         self.keys, self.values = keys, values
-        parts = [p for p in (self.fixed, self.taps) if p is not None]
-        if not parts:
+        if self.prefix is None:
             return keys, values
+        pk, pv = self.prefix.read(0, self.offset)
+        if self.taps is not None:
+            gf = self.grad_from
+            pk = mx.concatenate([pk[..., :gf, :], pk[..., gf:, :] + self.taps[0]], axis=2)
+            pv = mx.concatenate([pv[..., :gf, :], pv[..., gf:, :] + self.taps[1]], axis=2)
         return (
-            mx.concatenate([p[0] for p in parts] + [keys], axis=2),
-            mx.concatenate([p[1] for p in parts] + [values], axis=2),
+            mx.concatenate([pk.astype(keys.dtype), keys], axis=2),
+            mx.concatenate([pv.astype(values.dtype), values], axis=2),
         )
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None):

@@ -32,12 +32,14 @@ from mlx import nn
 
 from . import arch
 from .accum import ACCUMULATOR_DTYPES, Accumulators
+from .attention import Prefix, tiled_attention
 from .delta import fast_recurrence
 from .plan import MIB, Chunk, PlanError, cut, plan_window
 from .store import KVStore, check_cache_type
 from .taps import ChunkKV, ChunkState, walk_layers
 
 WALKS = ("exact", "plain", "one-graph")
+ATTENTIONS = ("auto", "tiled", "fused")
 
 State = list[list[mx.array]] | None  # per recurrent layer, its state arrays
 
@@ -50,6 +52,13 @@ class WalkConfig:
     recompute: bool = False  # activation checkpointing inside each chunk's graph
     host_budget_mib: float | None = None
     accumulator_dtype: str = "float32"
+    attention: str = "auto"  # "tiled" (chunk_attention), "fused" (mlx-lm's), auto: fused on CUDA
+
+    @property
+    def tiled(self) -> bool:
+        if self.attention == "auto":
+            return not mx.cuda.is_available()
+        return self.attention == "tiled"
 
     def check(self) -> WalkConfig:
         if self.chunk < 1:
@@ -57,6 +66,10 @@ class WalkConfig:
         if self.horizon < 0:
             raise PlanError(f"horizon must be 0 (the whole window) or positive, got {self.horizon}")
         check_cache_type(self.cache_type)
+        if self.attention not in ATTENTIONS:
+            raise PlanError(
+                f"attention {self.attention!r} is unknown; choose one of {', '.join(ATTENTIONS)}"
+            )
         if self.accumulator_dtype not in ACCUMULATOR_DTYPES:
             raise PlanError(
                 f"accumulator dtype {self.accumulator_dtype!r} is unknown; "
@@ -104,6 +117,11 @@ class Window:
         )
 
 
+def _zeros(shape: tuple[int, ...]) -> mx.array:
+    """Zeros that hold no memory (a broadcast scalar): the taps' values are never read."""
+    return mx.broadcast_to(mx.zeros((1,) * len(shape), mx.float32), shape)
+
+
 def weighted_loss(logits: mx.array, targets: mx.array, weights: mx.array, total: float):
     """sum(w * CE) / total, in float32."""
     ce = nn.losses.cross_entropy(logits.astype(mx.float32), targets, reduction="none")
@@ -113,7 +131,7 @@ def weighted_loss(logits: mx.array, targets: mx.array, weights: mx.array, total:
 @contextmanager
 def walking(model: nn.Module, recompute: bool) -> Iterator[None]:
     """The model as the walk runs it: taps through every layer, the chunked delta rule."""
-    with walk_layers(model, recompute), fast_recurrence(model):
+    with walk_layers(model, recompute), fast_recurrence(model), tiled_attention(model):
         yield
 
 
@@ -154,11 +172,13 @@ class _ChunkRunner:
         s = chunk.start
         for kind in self.layout.kinds:
             if kind == "attention":
-                gf = s if grad_from is None else grad_from
-                fixed = self.store.read(a, 0, gf, dtype) if gf > 0 else None
-                taps = self.store.read(a, gf, s, dtype) if s > gf else None
+                prefix = Prefix(self.store, a, s, dtype) if s > 0 else None
+                taps = None
+                if grad_from is not None and grad_from < s:
+                    h, dk, dv = self.layout.kv_shapes[a]
+                    taps = (_zeros((1, h, s - grad_from, dk)), _zeros((1, h, s - grad_from, dv)))
                 adjoint = acc.adjoint(a, s, chunk.end) if acc is not None else None
-                out.append(ChunkKV(s, fixed, taps, adjoint))
+                out.append(ChunkKV(s, prefix, grad_from, taps, adjoint, self.config.tiled))
                 a += 1
             else:
                 adjoint = acc.state[r] if acc is not None and acc.state is not None else None
