@@ -70,6 +70,8 @@ def _forward(q, k, v, prefix, grad_from, scale, tile):
     denom = mx.zeros_like(m)
     acc = mx.zeros((*qs.shape[:-1], v.shape[-1]), mx.float32)
     for kt, vt, kind, _ in _segments(prefix, grad_from, k, v, tile):
+        # the tile's scores only after the previous tile is folded in: one tile alive at a time
+        qs = mx.depends(qs, [acc, denom])
         s = _scores(qs, kt, kind == "own")
         m_new = mx.maximum(m, s.max(axis=-1, keepdims=True))
         p = mx.exp(s - m_new)

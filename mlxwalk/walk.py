@@ -192,11 +192,14 @@ class _ChunkRunner:
         x, _, _ = self.window.arrays(chunk.start, chunk.end)
         self.model(x, cache=caches)  # lazy: only the K/V and states below are computed
         exit_state = [c.produced() for c in caches if isinstance(c, ChunkState)] or None
-        if write:
-            kv = [c for c in caches if isinstance(c, ChunkKV)]
-            for a, c in enumerate(kv):
-                self.store.write(a, chunk.start, *c.produced())
-        mx.eval(self.store.arrays() if write else [], exit_state)
+        kv = [c.produced() for c in caches if isinstance(c, ChunkKV)] if write else []
+        # Evaluate before writing: the graph reads the store, and a store still referenced by a
+        # pending read can't be updated in place (MLX would copy it, a window-sized copy).
+        mx.eval(kv, exit_state)
+        del caches
+        for a, (k, v) in enumerate(kv):
+            self.store.write(a, chunk.start, k, v)
+        mx.eval(self.store.arrays())
         return exit_state
 
     def graph(self, chunk: Chunk, caches: list):
