@@ -158,7 +158,7 @@ def reference_attention(q, k, v, scale, offset=0):
 
 
 def _attend(queries, keys, values, cache, scale, mask, sinks=None):
-    """mlx-lm's `scaled_dot_product_attention`, routed to `chunk_attention` for the walk's caches."""
+    """mlx-lm's `scaled_dot_product_attention`, routed to `chunk_attention` for walk caches."""
     from .taps import ChunkKV
 
     tiled = isinstance(cache, ChunkKV) and cache.tiled and sinks is None
