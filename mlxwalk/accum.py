@@ -28,10 +28,26 @@ class Accumulators:
     def adjoint(self, layer: int, start: int, end: int) -> tuple[mx.array, mx.array]:
         return self.keys[layer][..., start:end, :], self.values[layer][..., start:end, :]
 
-    def add_kv(self, layer: int, start: int, dk: mx.array, dv: mx.array) -> None:
-        end = start + dk.shape[2]
-        self.keys[layer][..., start:end, :] += dk.astype(self.dtype)
-        self.values[layer][..., start:end, :] += dv.astype(self.dtype)
+    def add_kv(self, start: int, grads: list[tuple[mx.array, mx.array] | None]) -> None:
+        """Add each attention layer's tap gradient (or None) at [start, start + its length).
+
+        The sums are evaluated before they are written back: a slice update whose own graph
+        still reads the accumulator can't reuse its buffer, and MLX would copy it whole."""
+        sums = {}
+        for layer, g in enumerate(grads):
+            if g is not None:
+                end = start + g[0].shape[2]
+                sums[layer] = (
+                    end,
+                    self.keys[layer][..., start:end, :] + g[0].astype(self.dtype),
+                    self.values[layer][..., start:end, :] + g[1].astype(self.dtype),
+                )
+        mx.eval(sums)
+        for layer, (end, k, v) in sums.items():
+            self.keys[layer][..., start:end, :] = k
+            self.values[layer][..., start:end, :] = v
+        del sums
+        mx.eval(self.keys, self.values)
 
     def add_grads(self, grads) -> None:
         self.grads = grads if self.grads is None else tree_map(mx.add, self.grads, grads)

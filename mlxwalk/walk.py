@@ -282,14 +282,9 @@ class ExactWalk(_ChunkRunner):
         loss, g_params, g_inputs = self.graph(chunk, caches)
         mx.eval(loss, g_params, g_inputs)
         del caches  # release the adjoint slices so the updates below reuse the buffers
-        a, states = 0, []
-        for kind, g in zip(self.layout.kinds, g_inputs):
-            if kind == "attention":
-                if g:
-                    acc.add_kv(a, chunk.grad_from, g[0], g[1])
-                a += 1
-            else:
-                states.append(g)
+        kv = [g or None for kind, g in zip(self.layout.kinds, g_inputs) if kind == "attention"]
+        acc.add_kv(chunk.grad_from, kv)
+        states = [g for kind, g in zip(self.layout.kinds, g_inputs) if kind == "recurrent"]
         acc.state = states if chunk.index > 0 and states else None
         acc.add_grads(g_params)
         mx.eval(acc.arrays())
