@@ -94,7 +94,8 @@ def _backward(q, k, v, prefix, grad_from, scale, tile, out, lse, d_out):
     taps_k, taps_v, own = [], [], None
     for kt, vt, kind, _ in _segments(prefix, grad_from, k, v, tile):
         kt32, vt32 = kt.astype(mx.float32)[:, :, None], vt.astype(mx.float32)[:, :, None]
-        p = mx.exp(_scores(qs, kt, kind == "own") - lse)
+        # this tile's scores only once the previous tile is folded into dq (see _forward)
+        p = mx.exp(_scores(mx.depends(qs, [dq]), kt, kind == "own") - lse)
         ds = p * (do @ vt32.swapaxes(-1, -2) - delta)
         dq = dq + ds @ kt32
         if kind == "fixed":
