@@ -109,7 +109,10 @@ def estimate(
     )
 
 
-def admit(est: Estimate, device_budget: int | None, what_fits: str) -> None:
+WHAT_FITS = "a smaller chunk, a horizon, or an 8-bit cache (--cache-type q8) would need less"
+
+
+def admit(est: Estimate, device_budget: int | None, what_fits: str = WHAT_FITS) -> None:
     """Refuse, naming device memory, when one chunk's graph and the store exceed the budget."""
     if device_budget is not None and est.device > device_budget:
         raise OutOfMemory(

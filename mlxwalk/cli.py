@@ -18,6 +18,12 @@ def _test_walk_exact(args: argparse.Namespace) -> int:
     return 0 if exactness.run(chosen, as_json=args.json) else 1
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from . import planning
+
+    return planning.run(args)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mlxwalk", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -25,6 +31,18 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("-m", "--model", help="a model folder or hub id (default: every bundled model)")
     t.add_argument("--json", action="store_true", help="print the rows as JSON")
     t.set_defaults(run=_test_walk_exact)
+
+    p_plan = sub.add_parser("plan", help="what a walk will need, and whether it fits")
+    p_plan.add_argument("--model", "-m", default=tiny.DEFAULT_MODEL)
+    p_plan.add_argument("--window", type=int, required=True)
+    p_plan.add_argument("--chunk", type=int, required=True)
+    p_plan.add_argument("--horizon", type=int, default=0)
+    p_plan.add_argument("--cache-type", default="float32")
+    p_plan.add_argument("--memory-budget-mib", type=float)
+    p_plan.add_argument("--host-budget-mib", type=float)
+    p_plan.add_argument("--rank", type=int, default=8)
+    p_plan.add_argument("--num-layers", type=int, default=16)
+    p_plan.set_defaults(run=_plan)
     return p
 
 

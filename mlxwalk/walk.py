@@ -22,21 +22,24 @@ the chunk is then re-decoded under the new adapter so later chunks read what it 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 import numpy as np
 from mlx import nn
 
-from . import arch
+from . import arch, budget
 from .accum import ACCUMULATOR_DTYPES, Accumulators
 from .attention import Prefix, tiled_attention
 from .delta import fast_recurrence
 from .plan import MIB, Chunk, PlanError, cut, plan_window
 from .store import KVStore, check_cache_type
 from .taps import ChunkKV, ChunkState, walk_layers
+
+log = logging.getLogger("mlxwalk")
 
 WALKS = ("exact", "plain", "one-graph")
 ATTENTIONS = ("auto", "tiled", "fused")
@@ -51,6 +54,7 @@ class WalkConfig:
     cache_type: str = "float32"
     recompute: bool = False  # activation checkpointing inside each chunk's graph
     host_budget_mib: float | None = None
+    memory_budget_mib: float | None = None  # device: one chunk's graph plus the K/V store
     accumulator_dtype: str = "float32"
     attention: str = "auto"  # "tiled" (chunk_attention), "fused" (mlx-lm's), auto: fused on CUDA
 
@@ -80,6 +84,10 @@ class WalkConfig:
     @property
     def host_budget(self) -> int | None:
         return None if self.host_budget_mib is None else int(self.host_budget_mib * MIB)
+
+    @property
+    def device_budget(self) -> int | None:
+        return None if self.memory_budget_mib is None else int(self.memory_budget_mib * MIB)
 
 
 @dataclass(frozen=True)
@@ -236,11 +244,59 @@ class ExactWalk(_ChunkRunner):
             accumulator_element_bytes=ACCUMULATOR_DTYPES[self.config.accumulator_dtype].size,
         )
         self.checkpoints: dict[int, State] = {}
+        self.horizon_used = self.config.horizon  # narrowed per chunk if the device budget asks
+        self.estimate = self.admit()
+
+    def admit(self) -> budget.Estimate | None:
+        """With a device budget: the walk's memory, refused (before any array of the window) if
+        even one chunk of taps would not fit."""
+        if self.config.device_budget is None:
+            return None
+        self.acts = budget.probe(self.model, self.config.chunk)
+        est = budget.estimate(self.model, self.layout, self.acts, self.plan, self.config.cache_type)
+        last = self.plan.chunks[-1]
+        least = budget.graph_bytes(
+            self.acts, self.layout.footprint(), min(self.plan.chunk, last.start)
+        )
+        budget.admit(replace(est, graph=least), self.config.device_budget, budget.WHAT_FITS)
+        return est
+
+    def grad_from(self, chunk: Chunk) -> int:
+        """The chunk's first tapped position: the plan's, or, when the chunk's graph would not fit
+        the device budget, half the horizon and again (a multiple of the chunk, never below one
+        chunk). Only this chunk is narrowed; the next window starts from the requested horizon."""
+        if self.estimate is None or chunk.start == 0:
+            return chunk.grad_from
+        taps, size = chunk.start - chunk.grad_from, self.plan.chunk
+        fits = lambda t: (  # noqa: E731
+            budget.graph_bytes(self.acts, self.layout.footprint(), t) + self.estimate.store
+            <= self.config.device_budget
+        )
+        narrowed = taps
+        while narrowed > size and not fits(narrowed):
+            narrowed = max(size, narrowed // 2 // size * size)
+        if narrowed < taps:
+            log.info(
+                "chunk %d: its graph with %d tapped positions exceeds the device budget of "
+                "%.1f MiB; horizon narrowed to %d for this chunk",
+                chunk.index, taps, self.config.device_budget / MIB, narrowed,
+            )  # fmt: skip
+            self.horizon_used = (
+                narrowed if self.horizon_used == 0 else min(self.horizon_used, narrowed)
+            )
+        return chunk.start - narrowed
 
     def run(self) -> tuple[mx.array, dict]:
-        with walking(self.model, self.config.recompute):
-            self.decode_forward()
-            return self.reverse()
+        limit = None
+        if self.estimate is not None:  # let MLX's scheduler hold the run near its estimate
+            limit = mx.set_memory_limit(self.estimate.total)
+        try:
+            with walking(self.model, self.config.recompute):
+                self.decode_forward()
+                return self.reverse()
+        finally:
+            if limit is not None:
+                mx.set_memory_limit(limit)
 
     def decode_forward(self) -> None:
         self._new_store(self.plan.computed)
@@ -272,18 +328,15 @@ class ExactWalk(_ChunkRunner):
         return loss, acc.grads
 
     def train_chunk(self, chunk: Chunk, acc: Accumulators) -> mx.array:
+        gf = self.grad_from(chunk)
         caches = self.caches(
-            chunk,
-            self.entry_state(chunk),
-            grad_from=chunk.grad_from,
-            tap_state=chunk.index > 0,
-            acc=acc,
+            chunk, self.entry_state(chunk), grad_from=gf, tap_state=chunk.index > 0, acc=acc
         )
         loss, g_params, g_inputs = self.graph(chunk, caches)
         mx.eval(loss, g_params, g_inputs)
         del caches  # release the adjoint slices so the updates below reuse the buffers
         kv = [g or None for kind, g in zip(self.layout.kinds, g_inputs) if kind == "attention"]
-        acc.add_kv(chunk.grad_from, kv)
+        acc.add_kv(gf, kv)
         states = [g for kind, g in zip(self.layout.kinds, g_inputs) if kind == "recurrent"]
         acc.state = states if chunk.index > 0 and states else None
         acc.add_grads(g_params)

@@ -31,3 +31,12 @@ def test_a_missing_model_is_one_line_and_exit_2(tmp_path):
     assert p.returncode == 2
     assert p.stderr.count("\n") == 1 and "Traceback" not in p.stderr
     assert "nowhere" in p.stderr
+
+
+def test_plan_prints_the_estimate_and_exits_1_when_it_does_not_fit():
+    ok = run("plan", "--window", "1024", "--chunk", "256")
+    assert ok.returncode == 0 and "verdict: fits" in ok.stdout and "K/V store" in ok.stdout
+    no = run("plan", "--window", "1024", "--chunk", "256", "--memory-budget-mib", "1")
+    assert no.returncode == 1 and "device memory" in no.stdout and "budget is 1.0 MiB" in no.stdout
+    host = run("plan", "--window", "1024", "--chunk", "256", "--host-budget-mib", "0.5")
+    assert host.returncode == 1 and "host memory" in host.stdout

@@ -1,0 +1,66 @@
+"""`mlxwalk plan`: what an exact walk over a window will need, and whether it fits, before any
+training. The window is taken fully labelled (the most positions computed)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from . import adapters, arch, budget
+from .plan import OutOfMemory, mib
+from .walk import ExactWalk, WalkConfig, Window
+
+
+def report(model, name: str, window: int, config: WalkConfig, echo=print) -> bool:
+    """Print the plan, the estimate and the verdict; True when the walk fits its budgets."""
+    layout = arch.inspect(model)
+    horizon = config.horizon or "the whole window"
+    echo(f"model {name} ({layout.model_type}: {len(layout.attention)} attention layers, "
+         f"{len(layout.recurrent)} recurrent), window {window}, chunk {config.chunk}, "
+         f"horizon {horizon}, cache {config.cache_type}")  # fmt: skip
+    ones = np.ones(window)
+    try:
+        walk = ExactWalk(
+            model, Window.of(ones, ones, ones), replace(config, memory_budget_mib=None)
+        )
+    except OutOfMemory as e:
+        echo(f"verdict: does not fit: {e}")
+        return False
+    plan = walk.plan
+    echo(f"  {len(plan.chunks)} chunks, checkpoint stride {plan.stride}")
+    acts = budget.probe(model, config.chunk)
+    est = budget.estimate(model, layout, acts, plan, config.cache_type)
+    for line in est.lines():
+        echo(line)
+    host = config.host_budget
+    echo(f"host: {mib(est.host)} needed, budget {mib(host) if host else 'none'}: fits")
+    device = config.device_budget
+    if device is None or est.device <= device:
+        echo(f"device: {mib(est.device)} needed, budget {mib(device) if device else 'none'}: fits")
+        echo("verdict: fits")
+        return True
+    try:
+        ExactWalk(model, Window.of(ones, ones, ones), config)
+    except OutOfMemory as e:
+        echo(f"verdict: does not fit: {e}")
+        return False
+    echo(f"device: {mib(est.device)} at the full horizon, budget {mib(device)}: late chunks "
+         "narrow their horizon to fit (the forward still sees the whole window)")  # fmt: skip
+    echo("verdict: fits with a narrowed horizon")
+    return True
+
+
+def run(args) -> int:
+    from . import models
+
+    model, _ = models.load(args.model)
+    adapters.apply(model, adapters.LoraConfig(rank=args.rank, num_layers=args.num_layers))
+    config = WalkConfig(
+        chunk=args.chunk,
+        horizon=args.horizon,
+        cache_type=args.cache_type,
+        host_budget_mib=args.host_budget_mib,
+        memory_budget_mib=args.memory_budget_mib,
+    ).check()
+    return 0 if report(model, args.model, args.window, config) else 1
