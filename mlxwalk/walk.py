@@ -397,6 +397,8 @@ def window_gradient(
     horizon: int = 0,
     recompute: bool = False,
     host_budget_mib: float | None = None,
+    memory_budget_mib: float | None = None,
+    accumulator_dtype: str = "float32",
 ) -> tuple[float, dict]:
     """The window's loss sum(w * CE) / sum(w) and its gradient in `model.trainable_parameters()`.
 
@@ -413,6 +415,8 @@ def window_gradient(
         cache_type=cache_type,
         recompute=recompute,
         host_budget_mib=host_budget_mib,
+        memory_budget_mib=memory_budget_mib,
+        accumulator_dtype=accumulator_dtype,
     ).check()
     if walk == "one-graph":
         loss, grads = one_graph(model, window)

@@ -22,8 +22,8 @@ def test_test_walk_exact_json_on_a_model_folder(qwen2_path):
     )
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
-    assert out["ok"] and len(out["rows"]) == 8
-    assert {r["row"] for r in out["rows"]} == {"(1)", "(1b)", "(2)", "(3)", "(7)"}
+    assert out["ok"] and len(out["rows"]) == 9
+    assert {r["row"] for r in out["rows"]} == {"(1)", "(1b)", "(1c)", "(2)", "(3)", "(7)"}
 
 
 def test_a_missing_model_is_one_line_and_exit_2(tmp_path):
