@@ -24,9 +24,22 @@ def _plan(args: argparse.Namespace) -> int:
     return planning.run(args)
 
 
+def _train(args: argparse.Namespace) -> int:
+    from .options import config_from
+    from .train import train_run
+
+    train_run(config_from(args))
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mlxwalk", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command")
+    from .options import add_flags
+
+    tr = sub.add_parser("train", help="train an adapter (no arguments: the bundled sample)")
+    add_flags(tr)
+    tr.set_defaults(run=_train)
     t = sub.add_parser("test-walk-exact", help="the walk's gradient against one graph, row by row")
     t.add_argument("-m", "--model", help="a model folder or hub id (default: every bundled model)")
     t.add_argument("--json", action="store_true", help="print the rows as JSON")
@@ -48,6 +61,9 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.command is None:
+        parser().print_help()
+        return 2
     try:
         return args.run(args)
     except (ValueError, FileNotFoundError, OSError) as e:

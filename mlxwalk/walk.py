@@ -55,6 +55,7 @@ class WalkConfig:
     recompute: bool = False  # activation checkpointing inside each chunk's graph
     host_budget_mib: float | None = None
     memory_budget_mib: float | None = None  # device: one chunk's graph plus the K/V store
+    seed: int | None = None  # seeds dropout per chunk, identically in the decode and the graph
     accumulator_dtype: str = "float32"
     attention: str = "auto"  # "tiled" (chunk_attention), "fused" (mlx-lm's), auto: fused on CUDA
 
@@ -152,6 +153,17 @@ class _ChunkRunner:
         self.config = config.check()
         self.layout = layout or arch.inspect(model)
         self.store: KVStore | None = None
+        self.on_chunk: Callable[[str, int, int], None] | None = None  # (phase, done, of)
+
+    def _tick(self, phase: str, done: int, of: int) -> None:
+        if self.on_chunk is not None:
+            self.on_chunk(phase, done, of)
+
+    def _seed(self, chunk: Chunk) -> None:
+        """Dropout draws the same masks for a chunk wherever the chunk runs: in its decode, its
+        graph and any re-decode from a checkpoint, so the surrogates pair equal K/V and states."""
+        if self.config.seed is not None:
+            mx.random.seed(self.config.seed * 1_000_003 + chunk.index)
 
     def _new_store(self, positions: int) -> None:
         lay = self.layout
@@ -194,16 +206,20 @@ class _ChunkRunner:
                 r += 1
         return out
 
-    def decode(self, chunk: Chunk, entry: State, write: bool = True) -> State:
-        """Run `chunk` with no gradient; write its K/V to the store; return its exit state."""
+    def decode(self, chunk: Chunk, entry: State, write: bool = True, losses: list | None = None):
+        """Run `chunk` with no gradient; write its K/V to the store; return its exit state.
+        With `losses`, the chunk's loss share is appended to it."""
         caches = self.caches(chunk, entry)
-        x, _, _ = self.window.arrays(chunk.start, chunk.end)
-        self.model(x, cache=caches)  # lazy: only the K/V and states below are computed
+        x, y, w = self.window.arrays(chunk.start, chunk.end)
+        self._seed(chunk)
+        logits = self.model(x, cache=caches)  # lazy: only what is evaluated below is computed
         exit_state = [c.produced() for c in caches if isinstance(c, ChunkState)] or None
         kv = [c.produced() for c in caches if isinstance(c, ChunkKV)] if write else []
+        if losses is not None and chunk.labelled:
+            losses.append(weighted_loss(logits, y, w, self.window.total))
         # Evaluate before writing: the graph reads the store, and a store still referenced by a
         # pending read can't be updated in place (MLX would copy it, a window-sized copy).
-        mx.eval(kv, exit_state)
+        mx.eval(kv, exit_state, losses)
         del caches
         for a, (k, v) in enumerate(kv):
             self.store.write(a, chunk.start, k, v)
@@ -214,6 +230,8 @@ class _ChunkRunner:
         """The chunk's loss share plus its surrogates, differentiated in the adapter and taps."""
         model, total = self.model, self.window.total
         x, y, w = self.window.arrays(chunk.start, chunk.end)
+
+        self._seed(chunk)
 
         def objective(params, inputs):
             model.update(params)
@@ -306,6 +324,7 @@ class ExactWalk(_ChunkRunner):
             if self.plan.checkpointed(chunk.index):
                 self.checkpoints[chunk.index] = state
             state = self.decode(chunk, state)
+            self._tick("decode", chunk.index + 1, len(self.plan.chunks))
 
     def entry_state(self, chunk: Chunk) -> State:
         """The state entering `chunk`: its checkpoint, or decoded forward from the nearest one."""
@@ -322,9 +341,11 @@ class ExactWalk(_ChunkRunner):
             list(self.layout.kv_shapes), self.plan.computed, self.config.accumulator_dtype
         )
         loss = mx.array(0.0)
-        for chunk in self.plan.reverse():
+        order = self.plan.reverse()
+        for done, chunk in enumerate(order, 1):
             loss = loss + self.train_chunk(chunk, acc)
             mx.eval(loss)
+            self._tick("train", done, len(order))
         return loss, acc.grads
 
     def train_chunk(self, chunk: Chunk, acc: Accumulators) -> mx.array:
@@ -364,7 +385,21 @@ class PlainWalk(_ChunkRunner):
                     loss = loss + chunk_loss
                     grads = g if grads is None else _tree_add(grads, g)
                 state = self.decode(chunk, state)
+                self._tick("train", chunk.index + 1, len(chunks))
         return loss, grads
+
+
+def window_loss(model: nn.Module, window: Window, config: WalkConfig) -> float:
+    """The window's loss, decoded chunk by chunk with no gradient (for evaluation)."""
+    runner = _ChunkRunner(model, window, config)
+    chunks = cut(window.weights.tolist(), runner.config.chunk)
+    losses: list = []
+    with walking(model, False):
+        runner._new_store(chunks[-1].end)
+        state = runner.zero_state()
+        for chunk in chunks:
+            state = runner.decode(chunk, state, losses=losses)
+    return float(sum(v.item() for v in losses))
 
 
 def _tree_add(a, b):
@@ -429,16 +464,27 @@ def window_gradient(
 
 
 def train_window(
-    model: nn.Module, optimizer, window: Window, config: WalkConfig, walk: str = "exact"
-) -> float:
+    model: nn.Module,
+    optimizer,
+    window: Window,
+    config: WalkConfig,
+    walk: str = "exact",
+    on_chunk: Callable[[str, int, int], None] | None = None,
+):
     """Train on one window: the exact walk takes one step, the plain walk one per labelled chunk.
-    A refusal (memory, bad input) is raised before any array is allocated or any step taken."""
+    A refusal (memory, bad input) is raised before any array is allocated or any step taken.
+    Returns the walk, whose `loss` holds the window's loss (at the adapter it started from)."""
     if walk == "exact":
-        loss, grads = ExactWalk(model, window, config).run()
+        runner = ExactWalk(model, window, config)
+        runner.on_chunk = on_chunk
+        loss, grads = runner.run()
         optimizer.update(model, grads)
     elif walk == "plain":
-        loss, _ = PlainWalk(model, window, config).run(step=lambda g: optimizer.update(model, g))
+        runner = PlainWalk(model, window, config)
+        runner.on_chunk = on_chunk
+        loss, _ = runner.run(step=lambda g: optimizer.update(model, g))
     else:
         raise PlanError(f"walk {walk!r} cannot train; choose exact or plain")
     mx.eval(model.parameters(), optimizer.state)
-    return loss.item()
+    runner.loss = loss.item()
+    return runner

@@ -1,0 +1,82 @@
+"""What a run shows and leaves behind: a progress bar per window, the epoch table, and a JSON
+report with a loss-curve PNG beside it (each written to a temporary file, then renamed)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from .adapters import atomic_write
+
+
+class Progress:
+    """A tqdm bar over windows; its postfix shows the chunk in flight and the last window."""
+
+    def __init__(self, total: int, initial: int, enabled: bool):
+        from tqdm import tqdm
+
+        self.bar = tqdm(
+            total=total, initial=initial, unit="window", disable=not (enabled and sys.stderr.isatty()),
+            file=sys.stderr, dynamic_ncols=True,
+        )  # fmt: skip
+        self.last = ""
+
+    def chunk(self, phase: str, done: int, of: int) -> None:
+        self.bar.set_postfix_str(f"{phase} chunk {done}/{of}{self.last}", refresh=True)
+
+    def window(self, loss: float, tok_s: float, mem_mib: float) -> None:
+        self.last = f" | loss {loss:.3f}, {tok_s:,.0f} tok/s, {mem_mib:,.0f} MiB"
+        self.bar.update(1)
+        self.bar.set_postfix_str(self.last.lstrip(" |"), refresh=True)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def progress(total: int, initial: int = 0, enabled: bool = True) -> Progress:
+    return Progress(total, initial, enabled)
+
+
+def epoch_line(e) -> str:
+    ev = "n/a" if e.eval_loss is None else f"{e.eval_loss:.4f}"
+    return (f"epoch {e.epoch}: train_loss {e.train_loss:.4f}, eval_loss {ev}, "
+            f"{e.seconds:.1f} s, {e.train_tok_s:,.0f} tok/s")  # fmt: skip
+
+
+def table(epochs: list[dict]) -> str:
+    rows = [
+        "| epoch | train_loss | eval_loss | seconds | train_tok_s |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for e in epochs:
+        ev = "n/a" if e["eval_loss"] is None else f"{e['eval_loss']:.4f}"
+        rows.append(f"| {e['epoch']} | {e['train_loss']:.4f} | {ev} | {e['seconds']:.1f} |"
+                    f" {e['train_tok_s']:,.0f} |")  # fmt: skip
+    return "\n".join(rows)
+
+
+def plot(epochs: list[dict], file: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.2), dpi=120)
+    xs = [e["epoch"] for e in epochs]
+    ax.plot(xs, [e["train_loss"] for e in epochs], marker="o", label="train")
+    if any(e["eval_loss"] is not None for e in epochs):
+        ax.plot(xs, [e["eval_loss"] for e in epochs], marker="s", label="eval")
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("loss")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(file, format="png")
+    plt.close(fig)
+
+
+def write(folder: Path, summary: dict) -> None:
+    text = json.dumps(summary, indent=2)
+    atomic_write(Path(folder) / "report.json", lambda p: Path(p).write_text(text))
+    if summary["epochs"]:
+        atomic_write(Path(folder) / "loss.png", lambda p: plot(summary["epochs"], p))
