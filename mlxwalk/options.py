@@ -36,6 +36,7 @@ FLAGS = {  # name: (type, help); booleans are store_true
     "resume": (bool, "continue from the newest checkpoint in the adapter path"),
     "val_split": (float, "fraction of train.jsonl held out when there is no valid.jsonl"),
     "fit": (str, "an over-long example keeps its left part, or its start and end (middle)"),
+    "follow_runs": (bool, "no chunk crosses a change of label (the plan's strict rule)"),
 }
 
 

@@ -106,18 +106,21 @@ def runs(weights: Sequence[float]) -> list[tuple[int, int, float]]:
     return out
 
 
-def cut(weights: Sequence[float], chunk: int) -> list[Chunk]:
-    """Chunks of at most `chunk` positions that follow the runs and stop at the last label."""
+def cut(weights: Sequence[float], chunk: int, follow_runs: bool = True) -> list[Chunk]:
+    """Chunks of at most `chunk` positions, stopping at the last label. They follow the runs
+    (no chunk crosses a change of weight) unless `follow_runs` is off, when they are simply
+    consecutive: a chat's many short turns would otherwise make many small chunks."""
     if chunk < 1:
         raise PlanError(f"chunk must be at least 1, got {chunk}")
     last = max((i for i, w in enumerate(weights) if w > 0), default=-1)
     if last < 0:
         raise PlanError("the window has no labelled position (every weight is 0)")
+    spans = runs(weights[: last + 1]) if follow_runs else [(0, last + 1, None)]
     chunks: list[Chunk] = []
-    for start, end, w in runs(weights[: last + 1]):
+    for start, end, _ in spans:
         for s in range(start, end, chunk):
             e = min(s + chunk, end)
-            chunks.append(Chunk(len(chunks), s, e, w * (e - s)))
+            chunks.append(Chunk(len(chunks), s, e, float(sum(weights[s:e]))))
     return chunks
 
 
@@ -188,6 +191,7 @@ def plan_window(
     horizon: int = 0,
     host_budget: int | None = None,
     accumulator_element_bytes: int = 4,
+    follow_runs: bool = True,
 ) -> Plan:
     """The exact walk's plan for one window, or OutOfMemory when the host budget can't hold it.
 
@@ -195,7 +199,7 @@ def plan_window(
     """
     if horizon < 0:
         raise PlanError(f"horizon must be 0 (the whole window) or positive, got {horizon}")
-    chunks = mark(cut(weights, chunk), horizon, footprint.recurrent)
+    chunks = mark(cut(weights, chunk, follow_runs), horizon, footprint.recurrent)
     positions = chunks[-1].end
     acc = accumulator_bytes(positions, footprint, accumulator_element_bytes)
     stride = stride_for(len(chunks), acc, footprint, host_budget)

@@ -11,24 +11,30 @@ from .adapters import atomic_write
 
 
 class Progress:
-    """A tqdm bar over windows; its postfix shows the chunk in flight and the last window."""
+    """A tqdm bar over windows on a terminal, its postfix the chunk in flight and the last
+    window; elsewhere (a log, a pipe) one line per window."""
 
     def __init__(self, total: int, initial: int, enabled: bool):
         from tqdm import tqdm
 
-        self.bar = tqdm(
-            total=total, initial=initial, unit="window", disable=not (enabled and sys.stderr.isatty()),
-            file=sys.stderr, dynamic_ncols=True,
-        )  # fmt: skip
+        self.live = enabled and sys.stderr.isatty()
+        self.lines = enabled and not self.live
+        self.total, self.done = total, initial
+        self.bar = tqdm(total=total, initial=initial, unit="window", disable=not self.live,
+                        file=sys.stderr, dynamic_ncols=True)  # fmt: skip
         self.last = ""
 
     def chunk(self, phase: str, done: int, of: int) -> None:
-        self.bar.set_postfix_str(f"{phase} chunk {done}/{of}{self.last}", refresh=True)
+        if self.live:
+            self.bar.set_postfix_str(f"{phase} chunk {done}/{of}{self.last}", refresh=True)
 
     def window(self, loss: float, tok_s: float, mem_mib: float) -> None:
+        self.done += 1
         self.last = f" | loss {loss:.3f}, {tok_s:,.0f} tok/s, {mem_mib:,.0f} MiB"
         self.bar.update(1)
         self.bar.set_postfix_str(self.last.lstrip(" |"), refresh=True)
+        if self.lines:
+            print(f"window {self.done}/{self.total}: {self.last.lstrip(' |')}", file=sys.stderr)
 
     def close(self) -> None:
         self.bar.close()

@@ -60,6 +60,7 @@ class TrainConfig:
     val_split: float = 0.1  # used only when the data has no valid.jsonl
     fit: str = "left"
     mask_prompt: bool = True
+    follow_runs: bool = False  # chunks may cross turns: a chat's short turns make small chunks
     progress: bool = True
 
     def check(self) -> TrainConfig:
@@ -92,6 +93,7 @@ class TrainConfig:
             host_budget_mib=self.host_budget_mib,
             memory_budget_mib=self.memory_budget_mib,
             seed=seed,
+            follow_runs=self.follow_runs,
         ).check()
 
 

@@ -56,6 +56,7 @@ class WalkConfig:
     host_budget_mib: float | None = None
     memory_budget_mib: float | None = None  # device: one chunk's graph plus the K/V store
     seed: int | None = None  # seeds dropout per chunk, identically in the decode and the graph
+    follow_runs: bool = True  # chunks never cross a change of weight (see plan.cut)
     accumulator_dtype: str = "float32"
     attention: str = "auto"  # "tiled" (chunk_attention), "fused" (mlx-lm's), auto: fused on CUDA
 
@@ -260,6 +261,7 @@ class ExactWalk(_ChunkRunner):
             horizon=self.config.horizon,
             host_budget=self.config.host_budget,
             accumulator_element_bytes=ACCUMULATOR_DTYPES[self.config.accumulator_dtype].size,
+            follow_runs=self.config.follow_runs,
         )
         self.checkpoints: dict[int, State] = {}
         self.horizon_used = self.config.horizon  # narrowed per chunk if the device budget asks
@@ -371,7 +373,7 @@ class PlainWalk(_ChunkRunner):
     def run(self, step: Callable[[dict], None] | None = None) -> tuple[mx.array, dict]:
         """With `step`, one optimizer step per labelled chunk; the result's gradient is the sum of
         the chunks' gradients, each taken at the adapter that chunk saw."""
-        chunks = cut(self.window.weights.tolist(), self.config.chunk)
+        chunks = cut(self.window.weights.tolist(), self.config.chunk, self.config.follow_runs)
         loss, grads = mx.array(0.0), None
         with walking(self.model, self.config.recompute):
             self._new_store(chunks[-1].end)
@@ -392,7 +394,7 @@ class PlainWalk(_ChunkRunner):
 def window_loss(model: nn.Module, window: Window, config: WalkConfig) -> float:
     """The window's loss, decoded chunk by chunk with no gradient (for evaluation)."""
     runner = _ChunkRunner(model, window, config)
-    chunks = cut(window.weights.tolist(), runner.config.chunk)
+    chunks = cut(window.weights.tolist(), runner.config.chunk, runner.config.follow_runs)
     losses: list = []
     with walking(model, False):
         runner._new_store(chunks[-1].end)

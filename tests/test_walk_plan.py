@@ -104,3 +104,12 @@ def test_impossible_budget_is_refused_naming_host_memory():
 def test_bad_windows_are_refused(weights, chunk, match):
     with pytest.raises(PlanError, match=match):
         plan_window(weights, chunk, ATTN)
+
+
+def test_without_following_runs_chunks_are_consecutive_and_carry_their_weights():
+    w = [0.0] * 10 + [1.0] * 7 + [0.0] * 5 + [1.0] * 3 + [0.0] * 9
+    chunks = cut(w, 8, follow_runs=False)
+    assert [(c.start, c.end) for c in chunks] == [(0, 8), (8, 16), (16, 24), (24, 25)]
+    assert [c.weight for c in chunks] == [0.0, 6.0, 3.0, 1.0]
+    plan = plan_window(w, 8, ATTN, follow_runs=False)
+    assert sum(c.loss_scale for c in plan.chunks) == pytest.approx(1.0)
