@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -132,14 +133,13 @@ def max_positions(model) -> int | None:
 
 
 def writable(folder: Path) -> Path:
-    """The adapter folder, created and proven writable before any training."""
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / ".mlxwalk-write-test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        raise PlanError(f"adapter path {folder} is not writable ({e.strerror})") from None
+    """The adapter folder, checked writable before any training (and not created yet, so a run
+    refused later leaves nothing behind)."""
+    probe = folder
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
+        raise PlanError(f"adapter path {folder} is not writable ({probe} is not a writable folder)")
     return folder
 
 
@@ -218,6 +218,7 @@ class Run:
 
     def train(self) -> dict:
         cfg = self.cfg
+        self.out.mkdir(parents=True, exist_ok=True)
         if cfg.resume:
             self.restore()
         total = cfg.iters if cfg.iters is not None else cfg.epochs * len(self.train_set.examples)
