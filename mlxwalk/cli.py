@@ -26,7 +26,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     from .options import config_from
-    from .train import train_run
+    from .run import train_run
 
     train_run(config_from(args))
     return 0

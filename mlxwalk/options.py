@@ -8,7 +8,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from .plan import PlanError
-from .train import TrainConfig
+from .run import TrainConfig
 
 FLAGS = {  # name: (type, help); booleans are store_true
     "model": (str, "a model folder, a bundled model, or a hub id in the local cache"),
@@ -53,7 +53,8 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def read_yaml(path: str) -> dict:
+def read_mapping(path: str, known: set[str]) -> dict:
+    """A YAML file of options; a key not in `known` is refused (dashes read as underscores)."""
     import yaml
 
     file = Path(path)
@@ -65,11 +66,15 @@ def read_yaml(path: str) -> dict:
         raise PlanError(f"{file}: not valid YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(values, dict):
         raise PlanError(f"{file}: expected a mapping of options")
-    known = {f.name for f in fields(TrainConfig)}
+    values = {str(k).replace("-", "_"): v for k, v in values.items()}
     for key in values:
-        if key.replace("-", "_") not in known:
+        if key not in known:
             raise PlanError(f"{file}: unknown key {key!r}")
-    return {k.replace("-", "_"): v for k, v in values.items()}
+    return values
+
+
+def read_yaml(path: str) -> dict:
+    return read_mapping(path, {f.name for f in fields(TrainConfig)})
 
 
 def config_from(args: argparse.Namespace) -> TrainConfig:

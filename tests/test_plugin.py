@@ -1,0 +1,112 @@
+"""The mlx-lm plugin: python -m mlxwalk.lora with mlx_lm.lora's arguments and YAML, and
+mlxwalk.train with mlx-lm's TrainingArgs and TrainingCallback."""
+
+import json
+import subprocess
+import sys
+
+import mlx.optimizers as optim
+import mlx_lm
+import pytest
+from mlx_lm.tuner.datasets import CacheDataset, load_dataset
+from mlx_lm.tuner.trainer import TrainingArgs, TrainingCallback
+from mlx_lm.tuner.utils import linear_to_lora_layers
+
+import mlxwalk
+from mlxwalk.walk import WalkConfig
+
+from .test_train import chat
+
+
+@pytest.fixture
+def data_dir(tmp_path):
+    d = tmp_path / "data"
+    d.mkdir()
+    (d / "train.jsonl").write_text("".join(json.dumps(chat(i)) + "\n" for i in range(3)))
+    (d / "valid.jsonl").write_text(json.dumps(chat(7)) + "\n")
+    return d
+
+
+def lora(*args):
+    return subprocess.run([sys.executable, "-m", "mlxwalk.lora", *args],
+                          capture_output=True, text=True)  # fmt: skip
+
+
+def test_lora_cli_takes_mlx_lm_arguments_and_yaml(qwen2_path, data_dir, tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        f"model: {qwen2_path}\ntrain: true\ndata: {data_dir}\niters: 3\nbatch_size: 1\n"
+        "learning_rate: 0.001\nsteps_per_report: 1\nsteps_per_eval: 2\nnum_layers: 2\n"
+        f"adapter_path: {tmp_path / 'ad'}\nlora_parameters:\n  rank: 4\n  scale: 10.0\n"
+        "  dropout: 0.0\nchunk: 128\n"
+    )
+    p = lora("-c", str(config), "--grad-checkpoint")
+    assert p.returncode == 0, p.stderr
+    assert "Iter 3: Train loss" in p.stdout and "Val loss" in p.stdout
+    saved = json.loads((tmp_path / "ad" / "adapter_config.json").read_text())
+    assert saved["lora_parameters"]["rank"] == 4 and saved["num_layers"] == 2
+    model, _ = mlx_lm.load(qwen2_path, adapter_path=str(tmp_path / "ad"))
+    assert model.layers[-1].self_attn.q_proj.lora_a.shape[-1] == 4
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--batch-size", "4"], "batch_size 4"),
+        (["--fine-tune-type", "dora"], "fine-tune-type 'dora'"),
+        (["--optimizer", "muon"], "optimizer 'muon'"),
+    ],
+)
+def test_lora_cli_refuses_what_the_walk_cannot_honour(qwen2_path, data_dir, args, message):
+    p = lora("--model", qwen2_path, "--train", "--data", str(data_dir), *args)
+    assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr
+
+
+def test_lora_cli_refuses_an_unknown_yaml_key(tmp_path):
+    (tmp_path / "c.yaml").write_text("model: x\nlora_paramters: {}\n")
+    p = lora("-c", str(tmp_path / "c.yaml"))
+    assert p.returncode == 2 and "unknown key 'lora_paramters'" in p.stderr
+
+
+def test_train_reports_through_mlx_lm_callbacks(qwen2_path, data_dir, tmp_path):
+    model, tok = mlx_lm.load(qwen2_path)
+    model.freeze()
+    linear_to_lora_layers(model, 2, {"rank": 4, "scale": 10.0, "dropout": 0.0})
+    ns = type("A", (), {"data": str(data_dir), "train": True, "test": False,
+                        "hf_dataset": None, "mask_prompt": True})()  # fmt: skip
+    train_set, valid_set, _ = load_dataset(ns, tok)
+
+    class Seen(TrainingCallback):
+        def __init__(self):
+            self.train, self.val = [], []
+
+        def on_train_loss_report(self, info):
+            self.train.append(info)
+
+        def on_val_loss_report(self, info):
+            self.val.append(info)
+
+    seen = Seen()
+    args = TrainingArgs(
+        batch_size=1,
+        iters=2,
+        steps_per_report=1,
+        steps_per_eval=2,
+        adapter_file=str(tmp_path / "a.safetensors"),
+        max_seq_length=1024,
+    )
+    mlxwalk.train(
+        model,
+        optim.Adam(learning_rate=1e-3),
+        CacheDataset(train_set),
+        CacheDataset(valid_set),
+        args,
+        seen,
+        walk_config=WalkConfig(chunk=128),
+    )
+    assert [r["iteration"] for r in seen.train] == [1, 2]
+    assert set(seen.train[0]) == {"iteration", "train_loss", "learning_rate",
+                                  "iterations_per_second", "tokens_per_second",
+                                  "trained_tokens", "peak_memory"}  # fmt: skip
+    assert set(seen.val[0]) == {"iteration", "val_loss", "val_time"}
+    assert (tmp_path / "a.safetensors").exists()
