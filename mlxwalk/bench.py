@@ -1,16 +1,22 @@
-"""Time and peak memory of the walks and one graph, side by side in one process."""
+"""Measurements side by side in one process: the walks, one graph, and mlx-lm's own training step
+(`default_loss` through `nn.value_and_grad`, with and without its `grad_checkpoint`)."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
 import numpy as np
 
-from .walk import window_gradient
+from .walk import WalkConfig, Window, train_window, window_gradient
 
 MIB = 1 << 20
+WALKS = ("one-graph", "exact", "plain")
+STEPS = ("mlx-lm", "mlx-lm+ckpt", "one-graph", "exact", "plain")
 
 
 @dataclass
@@ -27,23 +33,145 @@ class Measure:
         return asdict(self)
 
 
-def measure(model, walk: str, window: int, chunk: int, repeats: int = 3, **kw) -> Measure:
-    rng = np.random.default_rng(window)
-    ids = rng.integers(0, 256, window + 1)
-    args = (model, ids[:-1], ids[1:], np.ones(window))
-    window_gradient(*args, chunk=chunk, walk=walk, **kw)  # warm-up
-    times, peaks, base = [], [], 0.0
+def ids_for(window: int) -> np.ndarray:
+    return np.random.default_rng(window).integers(0, 256, window + 1)
+
+
+def timed(fn: Callable[[], object], repeats: int) -> tuple[float, float, float]:
+    """(median seconds, peak MiB, peak over the starting allocation MiB), after a warm-up."""
+    fn()
+    times, peak, over = [], 0.0, 0.0
     for _ in range(repeats):
         mx.clear_cache()
         base = mx.get_active_memory()
         mx.reset_peak_memory()
         t = time.perf_counter()
-        window_gradient(*args, chunk=chunk, walk=walk, **kw)
+        fn()
         times.append(time.perf_counter() - t)
-        peaks.append(mx.get_peak_memory())
-    s = float(np.median(times))
-    peak = max(peaks)
-    return Measure(walk, window, chunk, s, window / s, peak / MIB, (peak - base) / MIB)
+        peak = max(peak, mx.get_peak_memory())
+        over = max(over, mx.get_peak_memory() - base)
+    return float(np.median(times)), peak / MIB, over / MIB
+
+
+def measure(model, walk: str, window: int, chunk: int, repeats: int = 3, **kw) -> Measure:
+    """window_gradient: the gradient only, no optimizer step."""
+    ids = ids_for(window)
+
+    def run():
+        window_gradient(model, ids[:-1], ids[1:], np.ones(window), chunk=chunk, walk=walk, **kw)
+
+    s, peak, over = timed(run, repeats)
+    return Measure(walk, window, chunk, s, window / s, peak, over)
+
+
+class grad_checkpoint:
+    """mlx-lm's grad_checkpoint patches the layer class itself; this undoes it on exit."""
+
+    def __init__(self, model):
+        self.layer = model.layers[0]
+        self.cls = type(self.layer)
+
+    def __enter__(self):
+        from mlx_lm.tuner.trainer import grad_checkpoint as patch
+
+        self.original = self.cls.__call__
+        patch(self.layer)
+        return self
+
+    def __exit__(self, *exc):
+        self.cls.__call__ = self.original
+
+
+def mlx_lm_step(model, optimizer, window: int) -> Callable[[], None]:
+    """One step of mlx-lm's trainer on one sequence of `window` tokens, every position trained."""
+    from mlx_lm.tuner.trainer import default_loss
+
+    batch = mx.array(ids_for(window)[None])
+    lengths = mx.array([[0, window]])
+    step = nn.value_and_grad(model, default_loss)
+
+    def run():
+        (loss, _), grads = step(model, batch, lengths)
+        optimizer.update(model, grads)
+        mx.eval(loss, model.parameters(), optimizer.state)
+
+    return run
+
+
+def walk_step(model, optimizer, window: int, walk: str, config: WalkConfig) -> Callable[[], None]:
+    ids = ids_for(window)
+    win = Window.of(ids[:-1], ids[1:], np.ones(window))
+    return lambda: train_window(model, optimizer, win, config, walk)
+
+
+def one_graph_step(model, optimizer, window: int) -> Callable[[], None]:
+    ids = ids_for(window)
+    win = Window.of(ids[:-1], ids[1:], np.ones(window))
+
+    def run():
+        from .walk import one_graph
+
+        _, grads = one_graph(model, win)
+        optimizer.update(model, grads)
+        mx.eval(model.parameters(), optimizer.state)
+
+    return run
+
+
+def step_for(model, kind: str, window: int, config: WalkConfig):
+    optimizer = optim.Adam(learning_rate=1e-5)
+    if kind.startswith("mlx-lm"):
+        return mlx_lm_step(model, optimizer, window)
+    if kind == "one-graph":
+        return one_graph_step(model, optimizer, window)
+    return walk_step(model, optimizer, window, kind, config)
+
+
+def measure_step(model, kind: str, window: int, config: WalkConfig, repeats: int = 2) -> Measure:
+    """A training step (gradient and optimizer update) of `kind` on one window."""
+    run = step_for(model, kind, window, config)
+    if kind == "mlx-lm+ckpt":
+        with grad_checkpoint(model):
+            s, peak, over = timed(run, repeats)
+    else:
+        s, peak, over = timed(run, repeats)
+    return Measure(kind, window, config.chunk, s, window / s, peak, over)
+
+
+def fits(model, kind: str, window: int, config: WalkConfig, cap_mib: float) -> bool:
+    """Whether one step at `window` runs with a measured peak under the cap (MLX held to it)."""
+    previous = mx.set_memory_limit(int(cap_mib * MIB))
+    try:
+        run = step_for(model, kind, window, config)
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        if kind == "mlx-lm+ckpt":
+            with grad_checkpoint(model):
+                run()
+        else:
+            run()
+        return mx.get_peak_memory() <= cap_mib * MIB
+    except (RuntimeError, MemoryError, ValueError):
+        return False
+    finally:
+        mx.set_memory_limit(previous)
+        mx.clear_cache()
+
+
+def largest_window(ok: Callable[[int], bool], lo: int, hi: int, step: int) -> int:
+    """The largest multiple of `step` in [lo, hi] for which `ok` holds, by bisection (ok is
+    assumed monotone); lo - step if not even lo fits."""
+    if not ok(lo):
+        return lo - step
+    if ok(hi):
+        return hi
+    good, bad = lo, hi
+    while bad - good > step:
+        mid = (good + bad) // 2 // step * step
+        if mid <= good:
+            break
+        good, bad = (mid, bad) if ok(mid) else (good, mid)
+    return good
 
 
 def table(rows: list[Measure]) -> str:
@@ -59,19 +187,22 @@ def table(rows: list[Measure]) -> str:
     return "\n".join(out)
 
 
-def ratios(rows: list[Measure]) -> str:
-    out = [
-        "| window | exact/one-graph time | exact/one-graph peak | plain/one-graph time |"
-        " plain/one-graph peak | exact/plain time |",
-        "|---:|---:|---:|---:|---:|---:|",
-    ]
+def ratios(rows: list[Measure], against: str = "one-graph") -> str:
+    kinds = [k for k in dict.fromkeys(r.walk for r in rows) if k != against]
+    head = " | ".join(f"{k} time | {k} peak" for k in kinds)
+    out = [f"| window | {head} |", "|---:|" + "---:|" * (2 * len(kinds))]
     for n in sorted({r.window for r in rows}):
         by = {r.walk: r for r in rows if r.window == n}
-        if {"exact", "plain", "one-graph"} <= by.keys():
-            e, p, o = by["exact"], by["plain"], by["one-graph"]
-            t, m = (lambda a, b: a.seconds / b.seconds), (lambda a, b: a.peak_mib / b.peak_mib)
-            out.append(
-                f"| {n} | {t(e, o):.2f} | {m(e, o):.2f} | {t(p, o):.2f} | {m(p, o):.2f}"
-                f" | {t(e, p):.2f} |"
-            )
-    return "\n".join(out)
+        if against not in by:
+            continue
+        ref = by[against]
+        cells = []
+        for k in kinds:
+            if k in by:
+                cells.append(
+                    f"{by[k].seconds / ref.seconds:.2f} | {by[k].peak_mib / ref.peak_mib:.2f}"
+                )
+            else:
+                cells.append("- | -")
+        out.append(f"| {n} | " + " | ".join(cells) + " |")
+    return f"ratios against {against} (time, peak):\n" + "\n".join(out)

@@ -151,10 +151,14 @@ def make_optimizer(cfg: TrainConfig):
     return optim.Adam(learning_rate=cfg.lr)
 
 
+def say(*args) -> None:
+    print(*args, flush=True)
+
+
 class Run:
     """One training run: setup (every refusal happens here), then epochs of windows."""
 
-    def __init__(self, cfg: TrainConfig, echo=print):
+    def __init__(self, cfg: TrainConfig, echo=say):
         self.cfg = cfg.check()
         self.echo = echo
         self.out = writable(Path(cfg.adapter_path or default_path(cfg.model)))
@@ -358,7 +362,7 @@ def default_path(model: str) -> Path:
     return Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def train_run(cfg: TrainConfig, echo=print) -> dict:
+def train_run(cfg: TrainConfig, echo=say) -> dict:
     run = Run(cfg, echo)
     est = run.memory
     echo(f"model {cfg.model} ({run.layout.model_type}), {len(run.train_set.examples)} training and "
