@@ -1,7 +1,8 @@
-"""The exactness rows can fail: remove the surrogate and watch them fail."""
+"""The exactness rows can fail: remove a surrogate and watch the exact row fail."""
 
 import mlx.core as mx
 import numpy as np
+import pytest
 
 from mlxwalk import taps, window_gradient
 from mlxwalk.exactness import BARS, EXACT, compare
@@ -10,21 +11,17 @@ N = 128
 IDS = np.random.default_rng(2).integers(0, 256, N + 1)
 
 
-def test_exact_row_fails_without_the_kv_surrogate(qwen2, monkeypatch):
+@pytest.mark.parametrize(
+    "model, cache",
+    [("qwen2", taps.ChunkKV), ("hybrid", taps.ChunkState)],
+    ids=["kv-surrogate", "state-surrogate"],
+)
+def test_exact_row_fails_without_the_surrogate(request, model, cache, monkeypatch):
+    model = request.getfixturevalue(model)
     w = np.ones(N)
-    _, one = window_gradient(qwen2, IDS[:-1], IDS[1:], w, chunk=N, walk="one-graph")
-    _, exact = window_gradient(qwen2, IDS[:-1], IDS[1:], w, chunk=32)
+    _, one = window_gradient(model, IDS[:-1], IDS[1:], w, chunk=N, walk="one-graph")
+    _, exact = window_gradient(model, IDS[:-1], IDS[1:], w, chunk=32)
     assert BARS[EXACT](*compare(exact, one))
-    monkeypatch.setattr(taps.ChunkKV, "surrogate", lambda self: mx.array(0.0))
-    _, broken = window_gradient(qwen2, IDS[:-1], IDS[1:], w, chunk=32)
-    assert not BARS[EXACT](*compare(broken, one))
-
-
-def test_hybrid_exact_row_fails_without_the_state_surrogate(hybrid, monkeypatch):
-    w = np.ones(N)
-    _, one = window_gradient(hybrid, IDS[:-1], IDS[1:], w, chunk=N, walk="one-graph")
-    _, exact = window_gradient(hybrid, IDS[:-1], IDS[1:], w, chunk=32)
-    assert BARS[EXACT](*compare(exact, one))
-    monkeypatch.setattr(taps.ChunkState, "surrogate", lambda self: mx.array(0.0))
-    _, broken = window_gradient(hybrid, IDS[:-1], IDS[1:], w, chunk=32)
+    monkeypatch.setattr(cache, "surrogate", lambda self: mx.array(0.0))
+    _, broken = window_gradient(model, IDS[:-1], IDS[1:], w, chunk=32)
     assert not BARS[EXACT](*compare(broken, one))
