@@ -1,6 +1,6 @@
 """The walks over one window: exact (one step on the whole window's gradient) and plain.
 
-Exact walk (see DESIGN.md):
+Exact walk (see docs/DESIGN.md):
   1. decode_forward: every chunk, first to last, runs with no gradient against the K/V store of
      the positions before it; its K/V go into the store, and (recurrent layers) the state entering
      every stride-th chunk is kept as a checkpoint.
