@@ -159,13 +159,20 @@ def fits(model, kind: str, window: int, config: WalkConfig, cap_mib: float) -> b
 
 
 def largest_window(ok: Callable[[int], bool], lo: int, hi: int, step: int) -> int:
-    """The largest multiple of `step` in [lo, hi] for which `ok` holds, by bisection (ok is
-    assumed monotone); lo - step if not even lo fits."""
+    """The largest multiple of `step` in [lo, hi] for which `ok` holds (ok assumed monotone):
+    doubling from `lo` until a window fails, then bisection, so no window far past the answer is
+    ever tried (one that far past could take the machine's memory). lo - step if lo fails."""
     if not ok(lo):
         return lo - step
-    if ok(hi):
-        return hi
-    good, bad = lo, hi
+    good = lo
+    while good < hi:
+        probe = min(hi, good * 2)
+        if not ok(probe):
+            bad = probe
+            break
+        good = probe
+    else:
+        return good
     while bad - good > step:
         mid = (good + bad) // 2 // step * step
         if mid <= good:
