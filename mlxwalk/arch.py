@@ -7,6 +7,7 @@ per-family code. Families outside SUPPORTED are refused by name.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -87,3 +88,31 @@ def inspect(model: nn.Module) -> Layout:
             shapes.append(tuple(tuple(a.shape) for a in c.cache))
             dtypes.append(tuple(a.dtype for a in c.cache))
     return Layout(name, tuple(kinds), tuple(kv), tuple(shapes), tuple(dtypes), dtype)
+
+
+@dataclass(frozen=True)
+class Head:
+    """The model split at its output projection: `body(x, cache)` gives the hidden states and
+    `project(h)` the logits, as the model's own `__call__` composes them. `module` owns the
+    projection's parameters (the embedding, when tied)."""
+
+    body: Callable[[mx.array, list], mx.array]
+    project: Callable[[mx.array], mx.array]
+    module: nn.Module
+
+
+def head(model: nn.Module) -> Head | None:
+    """The split for the supported families (all compose `lm_head` or the tied embedding after
+    `model`); None for a model shaped otherwise, which then runs whole."""
+    lm = getattr(model, "language_model", model)
+    inner, args = getattr(lm, "model", None), getattr(lm, "args", None)
+    tied = getattr(args, "tie_word_embeddings", None)
+    if inner is None or tied is None or model_type(model) not in SUPPORTED:
+        return None
+    if getattr(lm, "sharding_group", None) is not None:
+        return None
+    module = inner.embed_tokens if tied else getattr(lm, "lm_head", None)
+    if module is None:
+        return None
+    project = module.as_linear if tied else module
+    return Head(lambda x, cache: inner(x, cache), project, module)

@@ -127,14 +127,23 @@ def step_for(model, kind: str, window: int, config: WalkConfig):
     return walk_step(model, optimizer, window, kind, config)
 
 
-def measure_step(model, kind: str, window: int, config: WalkConfig, repeats: int = 2) -> Measure:
-    """A training step (gradient and optimizer update) of `kind` on one window."""
+def measure_step(
+    model, kind: str, window: int, config: WalkConfig, repeats: int = 2, limit_mib=None
+) -> Measure:
+    """A training step (gradient and optimizer update) of `kind` on one window; with `limit_mib`,
+    MLX held to that memory limit (its allocator then waits for pending work to free memory
+    rather than grow: on CUDA, frees take effect only once the GPU has run the work)."""
     run = step_for(model, kind, window, config)
-    if kind == "mlx-lm+ckpt":
-        with grad_checkpoint(model):
+    previous = mx.set_memory_limit(int(limit_mib * MIB)) if limit_mib else None
+    try:
+        if kind == "mlx-lm+ckpt":
+            with grad_checkpoint(model):
+                s, peak, over = timed(run, repeats)
+        else:
             s, peak, over = timed(run, repeats)
-    else:
-        s, peak, over = timed(run, repeats)
+    finally:
+        if previous is not None:
+            mx.set_memory_limit(previous)
     return Measure(kind, window, config.chunk, s, window / s, peak, over)
 
 

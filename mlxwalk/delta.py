@@ -3,8 +3,8 @@
 Per value head, with S the (Dv x Dk) state, g_t in (0, 1] the decay and beta_t the write strength:
     S_t = g_t S_{t-1} + beta_t (v_t - g_t S_{t-1} k_t) k_t^T,    o_t = S_t q_t.
 mlx-lm trains this through a per-token loop whose autodiff keeps every S_t (T x Dv x Dk floats per
-head). Here the sequence is cut into chunks of C (64) positions. Inside a chunk, with gamma_t the
-decay accumulated since the chunk's start and S the state entering it (the WY form):
+head). Here the sequence is cut into chunks of C positions (chunk_size()). Inside a chunk, with
+gamma_t the decay accumulated since the chunk's start and S the state entering it (the WY form):
     A_ij = beta_i (gamma_i / gamma_j) k_i.k_j  (j < i),   T = (I + A)^-1
     U    = T diag(beta) V - T diag(beta gamma) K S^T          (the chunk's effective writes)
     O    = diag(gamma) Q S^T + [(gamma_t / gamma_i) q_t.k_i]_{i <= t} U
@@ -28,7 +28,16 @@ from contextlib import contextmanager
 import mlx.core as mx
 import mlx.nn as nn
 
-CHUNK = 64
+CHUNK: int | None = None  # positions per chunk; None: chunk_size() picks by backend
+
+
+def chunk_size() -> int:
+    """64 on the CPU, 256 on a GPU. Longer chunks trade arithmetic (c^2 per chunk) for fewer steps
+    of the sequential walk; on the CPU the arithmetic dominates, on a GPU the per-step kernel
+    launches do (scripts/bench-delta --chunks, docs/BENCHMARKS.md)."""
+    if CHUNK is not None:
+        return CHUNK
+    return 256 if mx.default_device() == mx.gpu else 64
 
 
 BLOCK = 16  # the inverse substitutes inside blocks of 16 rows, then merges blocks pairwise
@@ -143,13 +152,13 @@ def recurrence(u0, w, qg, p, kd, g_end, s):
     return o, s_exit
 
 
-def gated_delta_chunked(q, k, v, log_g, beta, state, chunk: int = CHUNK):
+def gated_delta_chunked(q, k, v, log_g, beta, state, chunk: int | None = None):
     """The chunked gated delta rule in plain MLX ops (runs on every backend)."""
     b, t, hk, dk = q.shape
     hv, dv = v.shape[-2:]
     r = hv // hk  # value heads per key head: q and k broadcast over them, never repeated
     out_dtype = q.dtype
-    c = min(chunk, t)
+    c = min(chunk or chunk_size(), t)
     n = -(-t // c)
     f32 = mx.float32
 

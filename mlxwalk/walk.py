@@ -127,14 +127,44 @@ class Window:
         )
 
 
+LOSS_BLOCK = 1024  # positions whose logits are alive at once in a chunk's graph
+
+
+def head_loss(head: arch.Head, h: mx.array, targets, weights, total: float) -> mx.array:
+    """weighted_loss of the logits `head.project(h)`, LOSS_BLOCK positions at a time, each block
+    checkpointed: the chunk's logits (positions x vocabulary, the largest tensor of a chunk's
+    graph for a large vocabulary) are never all alive, in the forward or in the backward, at
+    the price of one more output projection."""
+    n = h.shape[1]
+    if n <= LOSS_BLOCK:
+        return weighted_loss(head.project(h), targets, weights, total)
+
+    def block_loss(b: slice) -> mx.array:
+        def loss(params, hb):  # targets and weights are constants: closed over
+            head.module.update(params)  # a checkpoint takes closed-over arrays as constants
+            return weighted_loss(head.project(hb), targets[:, b], weights[:, b], total)
+
+        return mx.checkpoint(loss)(head.module.trainable_parameters(), h[:, b])
+
+    return sum(block_loss(slice(a, a + LOSS_BLOCK)) for a in range(0, n, LOSS_BLOCK))
+
+
 def _zeros(shape: tuple[int, ...]) -> mx.array:
     """Zeros that hold no memory (a broadcast scalar): the taps' values are never read."""
     return mx.broadcast_to(mx.zeros((1,) * len(shape), mx.float32), shape)
 
 
 def weighted_loss(logits: mx.array, targets: mx.array, weights: mx.array, total: float):
-    """sum(w * CE) / total, in float32."""
-    ce = nn.losses.cross_entropy(logits.astype(mx.float32), targets, reduction="none")
+    """sum(w * CE) / total, in float32.
+
+    On a GPU, MLX's fused cross-entropy reads the logits in their own dtype and accumulates in
+    float32: no float32 copy of the chunk's logits (chunk x vocabulary) and a gradient in their
+    dtype. The CPU has no fused kernel (its fallback reduces in the logits' dtype), so there the
+    logits are cast first."""
+    if mx.default_device() == mx.gpu:
+        ce = mx.fast.cross_entropy(logits, targets)
+    else:
+        ce = nn.losses.cross_entropy(logits.astype(mx.float32), targets, reduction="none")
     return (ce * weights).sum() / total
 
 
@@ -153,6 +183,7 @@ class _ChunkRunner:
         self.window = window
         self.config = config.check()
         self.layout = layout or arch.inspect(model)
+        self.head = arch.head(model)
         self.store: KVStore | None = None
         self.on_chunk: Callable[[str, int, int], None] | None = None  # (phase, done, of)
 
@@ -238,9 +269,13 @@ class _ChunkRunner:
             model.update(params)
             for c, i in zip(caches, inputs):
                 c.bind(i)
-            logits = model(x, cache=caches)
             # A context chunk's logits stay out of the graph: it trains through its surrogate.
-            loss = weighted_loss(logits, y, w, total) if chunk.labelled else mx.array(0.0)
+            if self.head is None:
+                logits = model(x, cache=caches)
+                loss = weighted_loss(logits, y, w, total) if chunk.labelled else mx.array(0.0)
+            else:
+                h = self.head.body(x, caches)
+                loss = head_loss(self.head, h, y, w, total) if chunk.labelled else mx.array(0.0)
             return loss + sum(c.surrogate_value for c in caches), loss
 
         (_, loss), (g_params, g_inputs) = mx.value_and_grad(objective, argnums=(0, 1))(
@@ -322,11 +357,14 @@ class ExactWalk(_ChunkRunner):
         self._new_store(self.plan.computed)
         self.checkpoints = {}
         state = self.zero_state()
-        for chunk in self.plan.chunks:
+        chunks = self.plan.chunks
+        for chunk in chunks:
             if self.plan.checkpointed(chunk.index):
                 self.checkpoints[chunk.index] = state
-            state = self.decode(chunk, state)
-            self._tick("decode", chunk.index + 1, len(self.plan.chunks))
+            # The last chunk's K/V and exit state are read by no later chunk: not decoded.
+            if chunk is not chunks[-1]:
+                state = self.decode(chunk, state)
+            self._tick("decode", chunk.index + 1, len(chunks))
 
     def entry_state(self, chunk: Chunk) -> State:
         """The state entering `chunk`: its checkpoint, or decoded forward from the nearest one."""
@@ -386,7 +424,8 @@ class PlainWalk(_ChunkRunner):
                         step(g)
                     loss = loss + chunk_loss
                     grads = g if grads is None else _tree_add(grads, g)
-                state = self.decode(chunk, state)
+                if chunk is not chunks[-1]:  # no later chunk reads the last one's K/V
+                    state = self.decode(chunk, state)
                 self._tick("train", chunk.index + 1, len(chunks))
         return loss, grads
 
