@@ -54,37 +54,48 @@ def _substitute(a: mx.array) -> mx.array:
     return mx.concatenate(rows, axis=-2)
 
 
-@mx.custom_function
-def unit_lower_inverse(a: mx.array) -> mx.array:
-    """(I + A)^-1 for A strictly lower triangular (..., C, C).
-
-    Diagonal blocks of BLOCK rows are inverted by substitution, all at once; then pairs of blocks
-    merge: [[T11, 0], [A21, T22]] -> [[T11, 0], [-T22 A21 T11, T22]], doubling the block size."""
-    c = a.shape[-1]
-    size = min(BLOCK, c)
-    if c % size:
-        return _substitute(a)
-    lead = a.shape[:-2]
-    n = c // size
-    # the diagonal blocks: (..., n, size, size)
-    blocks = a.reshape(*lead, n, size, n, size).swapaxes(-3, -2)
+def _merged_inverse(a: mx.array) -> mx.array:
+    """unit_lower_inverse for C = BLOCK x 2^k."""
+    lead, c = a.shape[:-2], a.shape[-1]
+    n = c // BLOCK
+    # the diagonal blocks: (..., n, BLOCK, BLOCK)
+    blocks = a.reshape(*lead, n, BLOCK, n, BLOCK).swapaxes(-3, -2)
     idx = mx.arange(n)
     t = _substitute(blocks[..., idx, idx, :, :])
     while t.shape[-3] > 1:
         m = t.shape[-3] // 2
         s = t.shape[-1]
         t11, t22 = t[..., 0::2, :, :], t[..., 1::2, :, :]
-        rows = (mx.arange(m) * 2 + 1) * s
-        cols = mx.arange(m) * 2 * s
         a21 = mx.stack(
-            [a[..., r : r + s, q : q + s] for r, q in zip(rows.tolist(), cols.tolist())], axis=-3
+            [
+                a[..., (2 * i + 1) * s : (2 * i + 2) * s, 2 * i * s : (2 * i + 1) * s]
+                for i in range(m)
+            ],
+            axis=-3,
         )
         low = -(t22 @ a21 @ t11)
-        zero = mx.zeros_like(t11)
-        top = mx.concatenate([t11, zero], axis=-1)
+        top = mx.concatenate([t11, mx.zeros_like(t11)], axis=-1)
         bottom = mx.concatenate([low, t22], axis=-1)
         t = mx.concatenate([top, bottom], axis=-2)
     return t[..., 0, :, :]
+
+
+@mx.custom_function
+def unit_lower_inverse(a: mx.array) -> mx.array:
+    """(I + A)^-1 for A strictly lower triangular (..., C, C).
+
+    Diagonal blocks of BLOCK rows are inverted by substitution, all at once; then pairs of blocks
+    merge: [[T11, 0], [A21, T22]] -> [[T11, 0], [-T22 A21 T11, T22]], doubling the block size.
+    A is padded with zeros to BLOCK x 2^k rows (I + A stays block diagonal, so the inverse's
+    leading block is the answer)."""
+    c = a.shape[-1]
+    if c <= BLOCK:
+        return _substitute(a)
+    full = BLOCK * (1 << (-(-c // BLOCK) - 1).bit_length())
+    if full == c:
+        return _merged_inverse(a)
+    pad = [(0, 0)] * (a.ndim - 2) + [(0, full - c), (0, full - c)]
+    return _merged_inverse(mx.pad(a, pad))[..., :c, :c]
 
 
 @unit_lower_inverse.vjp

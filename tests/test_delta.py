@@ -41,7 +41,13 @@ def rel(a, b):
 
 @pytest.mark.parametrize(
     "t, hk, hv, dk, dv",
-    [(150, 2, 4, 32, 16), (64, 1, 1, 16, 16), (200, 2, 2, 64, 32), (37, 1, 3, 16, 8)],
+    [
+        (150, 2, 4, 32, 16),
+        (64, 1, 1, 16, 16),
+        (200, 2, 2, 64, 32),
+        (37, 1, 3, 16, 8),
+        (48, 1, 2, 16, 8),
+    ],
 )
 def test_values_and_gradients_match_the_per_token_path(t, hk, hv, dk, dv):
     xs = inputs(t, hk, hv, dk, dv)
@@ -65,10 +71,11 @@ def test_bfloat16_inputs_keep_a_float32_state():
     assert all(g.dtype == mx.bfloat16 for g in grads)
 
 
-def test_unit_lower_inverse_and_its_vjp():
+@pytest.mark.parametrize("c", [64, 48, 33, 96, 240, 12])  # padded to 16 x 2^k rows, or not
+def test_unit_lower_inverse_and_its_vjp(c):
     mx.random.seed(3)
-    a = mx.tril(0.3 * mx.random.normal((2, 3, 64, 64)), -1)
-    eye = mx.eye(64)
+    a = mx.tril(2.4 / c**0.5 * mx.random.normal((2, 3, c, c)), -1)  # 0.3 at 64, as k.k grows
+    eye = mx.eye(c)
     t = unit_lower_inverse(a)
     assert mx.abs((eye + a) @ t - eye).max().item() < 1e-4
     cot = mx.random.normal(a.shape)
