@@ -40,6 +40,12 @@ def apply(model: nn.Module, lora: LoraConfig) -> nn.Module:
     return model
 
 
+def dropout(model: nn.Module) -> float:
+    """The largest dropout probability among the model's dropout layers (LoRA's), 0 if none."""
+    return max((1.0 - m._p_1 for _, m in model.named_modules() if isinstance(m, nn.Dropout)),
+               default=0.0)  # fmt: skip
+
+
 def atomic_write(path: Path, write) -> None:
     """Write through `write(tmp_path)` into a temporary sibling, then rename over `path`."""
     path.parent.mkdir(parents=True, exist_ok=True)

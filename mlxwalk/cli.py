@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except (ValueError, FileNotFoundError, OSError) as e:
-        print(f"mlxwalk: error: {e}", file=sys.stderr)
+        print(f"mlxwalk: error: {(str(e).splitlines() or [type(e).__name__])[0]}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("mlxwalk: interrupted", file=sys.stderr)

@@ -111,7 +111,23 @@ def chat_example(tokenizer, messages: list[dict], tools=None, where: str = "") -
     return Example(ids, labels)
 
 
+def _check_row(row: dict, where: str) -> None:
+    """The fields' types, so a bad row is named by file and line rather than failing deep."""
+    for key in ("text", "prompt", "completion"):
+        if key in row and not isinstance(row[key], str):
+            raise DataError(f"{where}: {key!r} must be a string")
+    if "messages" in row:
+        msgs = row["messages"]
+        if not isinstance(msgs, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) for m in msgs
+        ):
+            raise DataError(f"{where}: 'messages' must be a list of objects with a 'role'")
+    if "tools" in row and row["tools"] is not None and not isinstance(row["tools"], list):
+        raise DataError(f"{where}: 'tools' must be a list")
+
+
 def to_example(tokenizer, row: dict, where: str, mask_prompt: bool = True) -> Example:
+    _check_row(row, where)
     if "messages" in row:
         return chat_example(tokenizer, row["messages"], row.get("tools"), where)
     if "prompt" in row and "completion" in row:

@@ -40,6 +40,9 @@ MLX_LM_FLAGS = {  # flag: (type, default)
     "grad_checkpoint": (bool, False),
     "seed": (int, 0),
     "report_to": (str, None),
+    "project_name": (str, None),  # goes with report_to, which is refused when set
+    "clear_cache_threshold": (int, 0),  # accepted; the walk evaluates chunk by chunk anyway
+    "trust_remote_code": (bool, False),  # accepted; models load from local folders only
 }
 WALK_FLAGS = {
     "walk": (str, "exact"),
@@ -73,9 +76,22 @@ def options(argv: list[str] | None) -> types.SimpleNamespace:
     if args.config:
         from .options import read_mapping
 
-        values.update(read_mapping(args.config, set(values)))
+        values.update(typed(read_mapping(args.config, set(values))))
     values.update({k: v for k, v in vars(args).items() if v is not None and k != "config"})
     return types.SimpleNamespace(**values)
+
+
+def typed(values: dict) -> dict:
+    """A YAML config's values as the flags' types (YAML reads 1e-5 as a string), or a refusal."""
+    from .run import coerce
+
+    kinds = {**MLX_LM_FLAGS, **WALK_FLAGS}
+    out = dict(values)
+    for key, value in values.items():
+        if key in kinds:
+            kind, default = kinds[key]
+            out[key] = coerce(key, value, kind.__name__ + (" | None" if default is None else ""))
+    return out
 
 
 def refuse(o) -> None:
@@ -156,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(options(argv))
     except (ValueError, FileNotFoundError, OSError) as e:
-        print(f"mlxwalk.lora: error: {str(e).splitlines()[0]}", file=sys.stderr)
+        print(f"mlxwalk.lora: error: {(str(e).splitlines() or [type(e).__name__])[0]}",
+              file=sys.stderr)  # fmt: skip
         return 2
     return 0
 

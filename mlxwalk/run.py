@@ -33,6 +33,37 @@ log = logging.getLogger("mlxwalk")
 OPTIMIZERS = ("adam", "adamw", "sgd")
 
 
+KINDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}
+
+
+def coerce(name: str, value, kind: str):
+    """`value` as the field's type (annotations read as text), or a one-line refusal."""
+    base = kind.split("|")[0].strip()
+    if value is None and "None" in kind:
+        return None
+    ok, given = True, value
+    if base == "bool":
+        ok = isinstance(value, bool)
+    elif base == "int":
+        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+            value = int(value)
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif base == "float":
+        try:
+            value = float(value) if not isinstance(value, bool) else None
+        except (TypeError, ValueError):
+            value = None
+        ok = value is not None
+    elif base == "str":
+        ok = isinstance(value, str)
+    elif base.startswith("list"):
+        ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
+    if not ok:
+        what = KINDS.get(base, "a list of strings")
+        raise PlanError(f"{name} must be {what}, got {given!r}")
+    return value
+
+
 @dataclass
 class TrainConfig:
     model: str = tiny.DEFAULT_MODEL
@@ -65,6 +96,8 @@ class TrainConfig:
     progress: bool = True
 
     def check(self) -> TrainConfig:
+        for f in fields(self):  # a YAML file gives strings for some numbers ("1e-5") or worse
+            setattr(self, f.name, coerce(f.name, getattr(self, f.name), str(f.type)))
         if self.walk not in ("exact", "plain"):
             raise PlanError(f"walk {self.walk!r} cannot train; choose exact or plain")
         if self.optimizer not in OPTIMIZERS:
@@ -182,7 +215,10 @@ class Run:
 
     def _load(self, folder: Path) -> tuple[data.Dataset, data.Dataset]:
         cfg = self.cfg
-        longest = max(len(e) for e in data.load(folder, "train", self.tokenizer, None).examples)
+        whole = data.load(folder, "train", self.tokenizer, None)
+        if not whole.examples:
+            raise PlanError(f"no training example has a labelled token ({whole.source})")
+        longest = max(len(e) for e in whole.examples)
         asked = cfg.window or cfg.chunk * math.ceil(longest / cfg.chunk)
         self.window_asked = cfg.window or longest
         self.window = min(asked, self.limit) if self.limit else asked
@@ -202,13 +238,14 @@ class Run:
         return train, valid
 
     def _admit(self) -> budget.Estimate | None:
-        """The memory of the longest window, refused here if it cannot fit."""
+        """The memory of the largest window, refused here if it cannot fit. A window computes up
+        to its last labelled position, so that, not its length, sizes it."""
         from .walk import ExactWalk
 
-        longest = max(self.train_set.examples, key=len)
-        win = Window.of(longest.inputs, longest.targets, longest.weights)
         if self.cfg.walk != "exact":
             return None
+        largest = max(self.train_set.examples, key=lambda e: np.flatnonzero(e.weights).max())
+        win = Window.of(largest.inputs, largest.targets, largest.weights)
         walk = ExactWalk(self.model, win, self.cfg.walk_config())
         acts = budget.probe(self.model, self.cfg.chunk)
         return budget.estimate(self.model, self.layout, acts, walk.plan, self.cfg.cache_type)
@@ -264,13 +301,15 @@ class Run:
     def evaluate(self) -> float | None:
         if not self.valid_set.examples:
             return None
-        self.model.eval()
         total, weight = 0.0, 0
-        for ex in self.valid_set.examples:
-            window = Window.of(ex.inputs, ex.targets, ex.weights)
-            total += window_loss(self.model, window, self.cfg.walk_config()) * ex.trainable
-            weight += ex.trainable
-        self.model.train()
+        self.model.eval()
+        try:
+            for ex in self.valid_set.examples:
+                window = Window.of(ex.inputs, ex.targets, ex.weights)
+                total += window_loss(self.model, window, self.cfg.walk_config()) * ex.trainable
+                weight += ex.trainable
+        finally:
+            self.model.train()
         return total / weight
 
     def end_epoch(self) -> None:
@@ -303,8 +342,14 @@ class Run:
             str(tmp / "optimizer.safetensors"), dict(tree_flatten(self.optimizer.state))
         )
         (tmp / "state.json").write_text(json.dumps(asdict(self.position)))
-        shutil.rmtree(final, ignore_errors=True)
+        # An end-of-epoch checkpoint can share its window count with the last periodic one: the
+        # older moves aside first, so a crash at any point leaves only complete checkpoints.
+        aside = root / f".old-{final.name}"
+        if final.exists():
+            shutil.rmtree(aside, ignore_errors=True)
+            final.rename(aside)
         tmp.rename(final)
+        shutil.rmtree(aside, ignore_errors=True)
         for old in complete_checkpoints(root)[:-2]:
             shutil.rmtree(old, ignore_errors=True)
         return final

@@ -38,15 +38,17 @@ def check(args) -> None:
 
 
 def evaluate(model, dataset, args, walk: WalkConfig, batches: int) -> float:
-    model.eval()
     total, weight = 0.0, 0.0
     n = len(dataset) if batches in (-1, None) else min(batches, len(dataset))
-    for i in range(n):
-        window = window_of(dataset[i], args.max_seq_length)
-        if window is not None:
-            total += window_loss(model, window, walk) * window.total
-            weight += window.total
-    model.train()
+    model.eval()
+    try:
+        for i in range(n):
+            window = window_of(dataset[i], args.max_seq_length)
+            if window is not None:
+                total += window_loss(model, window, walk) * window.total
+                weight += window.total
+    finally:
+        model.train()
     return total / weight if weight else float("nan")
 
 
@@ -84,11 +86,17 @@ def train(
                     {"iteration": it - 1, "val_loss": val_loss,
                      "val_time": time.perf_counter() - tic}
                 )  # fmt: skip
-        window = None
+        window, tried = None, 0
         while window is None:
+            if tried == 2 * len(train_dataset):  # a whole permutation has been seen
+                raise PlanError(
+                    "no training item has a labelled token within max_seq_length "
+                    f"({args.max_seq_length})"
+                )
             if not order:
                 order = list(rng.permutation(len(train_dataset)))
             window = window_of(train_dataset[int(order.pop())], args.max_seq_length)
+            tried += 1
         tic = time.perf_counter()
         config = WalkConfig(**{**base.__dict__, "seed": it})
         run = train_window(model, optimizer, window, config, walk)

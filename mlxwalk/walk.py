@@ -31,7 +31,7 @@ import mlx.core as mx
 import numpy as np
 from mlx import nn
 
-from . import arch, budget
+from . import adapters, arch, budget
 from .accum import ACCUMULATOR_DTYPES, Accumulators
 from .attention import Prefix, tiled_attention
 from .delta import fast_recurrence
@@ -185,17 +185,32 @@ class _ChunkRunner:
         self.layout = layout or arch.inspect(model)
         self.head = arch.head(model)
         self.store: KVStore | None = None
+        self.seed = self._dropout_seed()
         self.on_chunk: Callable[[str, int, int], None] | None = None  # (phase, done, of)
 
     def _tick(self, phase: str, done: int, of: int) -> None:
         if self.on_chunk is not None:
             self.on_chunk(phase, done, of)
 
+    def _dropout_seed(self) -> int | None:
+        """With dropout, the walk's seed: the configured one, or one drawn for this walk. Refuses
+        recompute with dropout: a checkpointed layer would redraw its masks in the backward."""
+        if not adapters.dropout(self.model):
+            return self.config.seed
+        if self.config.recompute:
+            raise PlanError(
+                "recompute with LoRA dropout > 0 is refused: recomputing a layer would draw new "
+                "dropout masks, and the gradient would not be the window's; use one or the other"
+            )
+        if self.config.seed is not None:
+            return self.config.seed
+        return int(mx.random.randint(0, 1 << 30, ()).item())
+
     def _seed(self, chunk: Chunk) -> None:
         """Dropout draws the same masks for a chunk wherever the chunk runs: in its decode, its
         graph and any re-decode from a checkpoint, so the surrogates pair equal K/V and states."""
-        if self.config.seed is not None:
-            mx.random.seed(self.config.seed * 1_000_003 + chunk.index)
+        if self.seed is not None:
+            mx.random.seed(self.seed * 1_000_003 + chunk.index)
 
     def _new_store(self, positions: int) -> None:
         lay = self.layout
@@ -238,17 +253,28 @@ class _ChunkRunner:
                 r += 1
         return out
 
+    def run_chunk(self, x, caches: list, y, w, scored: bool) -> mx.array:
+        """The model over a chunk through its caches; the chunk's loss share if `scored` (its
+        logits in blocks, see head_loss), else 0 and no logits at all."""
+        total = self.window.total
+        if self.head is None:
+            logits = self.model(x, cache=caches)
+            return weighted_loss(logits, y, w, total) if scored else mx.array(0.0)
+        h = self.head.body(x, caches)
+        return head_loss(self.head, h, y, w, total) if scored else mx.array(0.0)
+
     def decode(self, chunk: Chunk, entry: State, write: bool = True, losses: list | None = None):
         """Run `chunk` with no gradient; write its K/V to the store; return its exit state.
         With `losses`, the chunk's loss share is appended to it."""
         caches = self.caches(chunk, entry)
         x, y, w = self.window.arrays(chunk.start, chunk.end)
         self._seed(chunk)
-        logits = self.model(x, cache=caches)  # lazy: only what is evaluated below is computed
+        scored = losses is not None and chunk.labelled
+        loss = self.run_chunk(x, caches, y, w, scored)  # lazy: only what is evaluated is computed
         exit_state = [c.produced() for c in caches if isinstance(c, ChunkState)] or None
         kv = [c.produced() for c in caches if isinstance(c, ChunkKV)] if write else []
-        if losses is not None and chunk.labelled:
-            losses.append(weighted_loss(logits, y, w, self.window.total))
+        if scored:
+            losses.append(loss)
         # Evaluate before writing: the graph reads the store, and a store still referenced by a
         # pending read can't be updated in place (MLX would copy it, a window-sized copy).
         mx.eval(kv, exit_state, losses)
@@ -260,9 +286,8 @@ class _ChunkRunner:
 
     def graph(self, chunk: Chunk, caches: list):
         """The chunk's loss share plus its surrogates, differentiated in the adapter and taps."""
-        model, total = self.model, self.window.total
+        model = self.model
         x, y, w = self.window.arrays(chunk.start, chunk.end)
-
         self._seed(chunk)
 
         def objective(params, inputs):
@@ -270,12 +295,7 @@ class _ChunkRunner:
             for c, i in zip(caches, inputs):
                 c.bind(i)
             # A context chunk's logits stay out of the graph: it trains through its surrogate.
-            if self.head is None:
-                logits = model(x, cache=caches)
-                loss = weighted_loss(logits, y, w, total) if chunk.labelled else mx.array(0.0)
-            else:
-                h = self.head.body(x, caches)
-                loss = head_loss(self.head, h, y, w, total) if chunk.labelled else mx.array(0.0)
+            loss = self.run_chunk(x, caches, y, w, chunk.labelled)
             return loss + sum(c.surrogate_value for c in caches), loss
 
         (_, loss), (g_params, g_inputs) = mx.value_and_grad(objective, argnums=(0, 1))(

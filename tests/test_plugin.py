@@ -36,7 +36,8 @@ def test_lora_cli_takes_mlx_lm_arguments_and_yaml(qwen2_path, data_dir, tmp_path
     config = tmp_path / "c.yaml"
     config.write_text(
         f"model: {qwen2_path}\ntrain: true\ndata: {data_dir}\niters: 3\nbatch_size: 1\n"
-        "learning_rate: 0.001\nsteps_per_report: 1\nsteps_per_eval: 2\nnum_layers: 2\n"
+        "learning_rate: 1e-3\nsteps_per_report: 1\nsteps_per_eval: 2\nnum_layers: 2\n"
+        "clear_cache_threshold: 0\ntrust_remote_code: false\nproject_name: null\n"
         f"adapter_path: {tmp_path / 'ad'}\nlora_parameters:\n  rank: 4\n  scale: 10.0\n"
         "  dropout: 0.0\nchunk: 128\n"
     )

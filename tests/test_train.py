@@ -117,6 +117,11 @@ def write(d, name, text):
         (lambda t: write(t, "f", "x"), ["--adapter-path", "{t}/f/run"], "is not writable"),
         (lambda t: None, ["--window", "1000000"], "exceeds the model's maximum positions"),
         (lambda t: None, ["--walk", "sideways"], "walk 'sideways' cannot train"),
+        (lambda t: write(t / "d", "train.jsonl", '{"messages": "hi"}\n'),
+         ["--data", "{t}/d"], "{t}/d/train.jsonl:1: 'messages' must be a list"),
+        (lambda t: write(t, "c.yaml", "chunk: 64k\n"), ["-c", "{t}/c.yaml"],
+         "chunk must be an integer, got '64k'"),
+        (lambda t: None, ["--recompute", "--dropout", "0.1"], "recompute with LoRA dropout"),
     ],
 )  # fmt: skip
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, setup, args, message):

@@ -71,3 +71,19 @@ def test_loss_in_blocks_is_exact(name, request, monkeypatch):
     le, exact = window_gradient(model, X, Y, w, chunk=64)
     assert le == pytest.approx(l1, rel=1e-5)
     assert compare(exact, one)[0] >= 0.99999
+
+
+def test_dropout_gets_a_seed_and_refuses_recompute(qwen2):
+    import mlx.nn as nn
+
+    from mlxwalk.plan import PlanError
+    from mlxwalk.walk import ExactWalk, WalkConfig, Window
+
+    layers = [m for _, m in qwen2.named_modules() if isinstance(m, nn.Dropout)]
+    assert layers
+    for m in layers:
+        m._p_1 = 0.9  # dropout 0.1
+    w = np.ones(N)
+    assert ExactWalk(qwen2, Window.of(X, Y, w), WalkConfig(chunk=32)).seed is not None
+    with pytest.raises(PlanError, match="dropout"):
+        window_gradient(qwen2, X, Y, w, chunk=32, recompute=True)
