@@ -7,9 +7,10 @@ On Apple Silicon both live in the same unified memory; they are kept apart becau
 different questions (how long a chunk, how long a window). The model's weights and the adapter's
 state come on top of both and are reported beside them.
 
-A chunk graph's activations are measured once per model on a small probe (two short chunks, no
-prefix), since they depend on every layer's implementation; what grows with the window (the K/V
-store, the accumulators, the taps' gradient, the attention tile) is computed from the layout.
+A chunk graph's activations are measured once per model and chunk size on a probe (a window of
+one chunk, then one whose last chunk taps a prefix two attention tiles long), since they depend on
+every layer's implementation; what grows with the window (the K/V store, the accumulators, the
+taps' gradient) is computed from the layout and the probe's slope in the tapped positions.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ def estimate(
     acts: Activations,
     plan,
     cache_type: str,
-    optimizer_factor: int = 3,
+    optimizer_factor: int = 4,  # the adapter, its gradient and Adam's two moments
 ) -> Estimate:
     """The walk's memory for `plan`, at its last chunk (the one with the most taps)."""
     last = plan.chunks[-1]
@@ -122,13 +123,14 @@ def admit(est: Estimate, device_budget: int | None, what_fits: str = WHAT_FITS) 
         )
 
 
-_probes: dict[tuple[int, int], Activations] = {}
+_probes: dict[tuple[int, int, bool], Activations] = {}
 
 
-def probe(model, chunk: int) -> Activations:
+def probe(model, chunk: int, recompute: bool = False) -> Activations:
     """Measure one chunk's graph at this chunk size: a window of one chunk (no prefix), then one
-    whose last chunk taps a prefix two attention tiles long. Cached per model and chunk."""
-    key = (id(model), chunk)
+    whose last chunk taps a prefix two attention tiles long. Cached per model, chunk and
+    recompute (a model is keyed by identity: a probe belongs to the model object it measured)."""
+    key = (id(model), chunk, recompute)
     if key not in _probes:
         from . import arch
         from .walk import window_gradient
@@ -139,7 +141,9 @@ def probe(model, chunk: int) -> Activations:
 
         def graph(n):  # the walk's peak less the store and accumulators of n positions
             peak = live_peak(
-                lambda: window_gradient(model, ids[:n], ids[1 : n + 1], np.ones(n), chunk=chunk)
+                lambda: window_gradient(
+                    model, ids[:n], ids[1 : n + 1], np.ones(n), chunk=chunk, recompute=recompute
+                )
             )
             return peak - 2 * n * width * 4
 

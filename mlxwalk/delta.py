@@ -117,16 +117,18 @@ def _chunks(x: mx.array, n: int, c: int) -> mx.array:
     return x.transpose(1, 0, 3, 2, *range(4, 4 + len(rest)))
 
 
-def _walk_chunks(u0, w, qg, p, kd, g_end, s):
-    """The sequential part: carry the state through the chunks; (outputs, exit, entry states)."""
+def _walk_chunks(u0, w, qg, p, kd, g_end, s, keep: bool = True):
+    """The sequential part: carry the state through the chunks; (outputs, exit, entry states),
+    the entry states only if `keep` (the VJP's)."""
     outs, entries = [], []
     for i in range(u0.shape[0]):
-        entries.append(s)
+        if keep:
+            entries.append(s)
         st = s.swapaxes(-1, -2)  # (B, H, Dk, Dv)
         u = u0[i] - w[i] @ st
         outs.append(qg[i] @ st + p[i] @ u)
         s = g_end[i] * s + u.swapaxes(-1, -2) @ kd[i]
-    return mx.stack(outs), s, mx.stack(entries)
+    return mx.stack(outs), s, (mx.stack(entries) if keep else None)
 
 
 @mx.custom_function
@@ -157,19 +159,22 @@ def _recurrence_vjp(primals, cotangents, outputs):
     return g["u0"], g["w"], g["qg"], g["p"], g["kd"], g["g"], ds
 
 
-def recurrence(u0, w, qg, p, kd, g_end, s):
+def recurrence(u0, w, qg, p, kd, g_end, s, differentiable: bool = True):
     """(outputs, exit state) of the chunk recurrence; entry states are kept for the VJP only."""
+    if not differentiable:
+        return _walk_chunks(u0, w, qg, p, kd, g_end, s, keep=False)[:2]
     o, s_exit, _ = _recurrence_with_states(u0, w, qg, p, kd, g_end, s)
     return o, s_exit
 
 
-def gated_delta_chunked(q, k, v, log_g, beta, state, chunk: int | None = None):
-    """The chunked gated delta rule in plain MLX ops (runs on every backend)."""
+def gated_delta_chunked(q, k, v, log_g, beta, state, differentiable: bool = True):
+    """The chunked gated delta rule in plain MLX ops (runs on every backend); `differentiable`
+    routes the recurrence through its VJP, which keeps every chunk's entry state."""
     b, t, hk, dk = q.shape
     hv, dv = v.shape[-2:]
     r = hv // hk  # value heads per key head: q and k broadcast over them, never repeated
     out_dtype = q.dtype
-    c = min(chunk or chunk_size(), t)
+    c = min(chunk_size(), t)
     n = -(-t // c)
     f32 = mx.float32
 
@@ -195,15 +200,16 @@ def gated_delta_chunked(q, k, v, log_g, beta, state, chunk: int | None = None):
     g_end = gamma[..., -1:][..., None]  # (n, B, Hk, r, 1, 1)
 
     s0 = state.astype(f32).reshape(b, hk, r, dv, dk)
-    o, s = recurrence(u0, w, qg, p, kd, g_end, s0)
+    o, s = recurrence(u0, w, qg, p, kd, g_end, s0, differentiable)
     y = o.transpose(1, 0, 4, 2, 3, 5).reshape(b, n * c, hv, dv)[:, :t]
     return y.astype(out_dtype), s.reshape(b, hv, dv, dk)
 
 
 @mx.custom_function
 def gated_delta(q, k, v, log_g, beta, state):
-    """The gated delta rule with a recomputing VJP (see the module doc)."""
-    return gated_delta_chunked(q, k, v, log_g, beta, state)
+    """The gated delta rule with a recomputing VJP (see the module doc); its forward keeps no
+    entry states (the VJP recomputes them)."""
+    return gated_delta_chunked(q, k, v, log_g, beta, state, differentiable=False)
 
 
 @gated_delta.vjp

@@ -1,7 +1,8 @@
 """The walk's plan: plain data about one window, computed before any array exists.
 
 A window's weights (1 = labelled, 0 = context) split into maximal runs of equal weight; each run is
-cut into chunks of at most ``chunk`` positions, and no chunk crosses a run. Nothing after the last
+cut into chunks of at most ``chunk`` positions; with ``follow_runs`` no chunk crosses a run (off in
+training, where a chat's short turns would make many small chunks). Nothing after the last
 labelled position is computed. The exact walk marks each chunk (needed, grad_from, loss_scale,
 period_end), and the plan sizes the host memory the walk will hold (K/V gradient accumulators and
 recurrent checkpoints), choosing the checkpoint stride a host budget allows, or refusing the window.

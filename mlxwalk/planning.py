@@ -29,7 +29,7 @@ def report(model, name: str, window: int, config: WalkConfig, echo=print) -> boo
         return False
     plan = walk.plan
     echo(f"  {len(plan.chunks)} chunks, checkpoint stride {plan.stride}")
-    acts = budget.probe(model, config.chunk)
+    acts = budget.probe(model, config.chunk, config.recompute)
     est = budget.estimate(model, layout, acts, plan, config.cache_type)
     for line in est.lines():
         echo(line)

@@ -5,7 +5,8 @@ let short examples attend to each other). The exact walk takes one optimizer ste
 plain walk one per labelled chunk. After each epoch the validation examples are evaluated; every
 `save_every` windows, and at each epoch's end, a checkpoint (adapter, optimizer state, position in
 the data) is written to a fresh folder that is renamed into place, so a run killed at any moment
-resumes with `--resume` and loses at most the window it was in.
+resumes with `--resume` from the last checkpoint: it loses the windows trained since (at most
+`save_every`, and none of a checkpoint half-written).
 """
 
 from __future__ import annotations
@@ -247,7 +248,7 @@ class Run:
         largest = max(self.train_set.examples, key=lambda e: np.flatnonzero(e.weights).max())
         win = Window.of(largest.inputs, largest.targets, largest.weights)
         walk = ExactWalk(self.model, win, self.cfg.walk_config())
-        acts = budget.probe(self.model, self.cfg.chunk)
+        acts = budget.probe(self.model, self.cfg.chunk, self.cfg.recompute)
         return budget.estimate(self.model, self.layout, acts, walk.plan, self.cfg.cache_type)
 
     # --- the loop ---------------------------------------------------------------------------

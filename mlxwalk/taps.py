@@ -161,20 +161,28 @@ def _walk_class(base: type, recompute: bool) -> type:
     key = (base, recompute)
     if key in _walk_classes:
         return _walk_classes[key]
+
+    # The layer's own call, taken once: a later patch of the class (mlx-lm's grad_checkpoint,
+    # which would close over the taps as constants) must not reach the walk.
     call = base.__call__
 
     def __call__(self, x, *args, **kwargs):
         cache = _find_cache(args, kwargs)
         if cache is None:
             return call(self, x, *args, **kwargs)
+        if not recompute:  # the taps are already bound and in the graph: nothing to pass
+            y = call(self, x, *args, **kwargs)
+            cache.surrogate_value = cache.surrogate()
+            return y
 
         def layer(params, x, taps):
             self.update(params)
             cache.bind(taps)
             return call(self, x, *args, **kwargs), cache.surrogate()
 
-        fn = mx.checkpoint(layer) if recompute else layer
-        y, cache.surrogate_value = fn(self.trainable_parameters(), x, cache.inputs())
+        y, cache.surrogate_value = mx.checkpoint(layer)(
+            self.trainable_parameters(), x, cache.inputs()
+        )
         return y
 
     cls = type(f"Walk{base.__name__}", (base,), {"__call__": __call__})

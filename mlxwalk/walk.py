@@ -1,9 +1,9 @@
 """The walks over one window: exact (one step on the whole window's gradient) and plain.
 
 Exact walk (see docs/DESIGN.md):
-  1. decode_forward: every chunk, first to last, runs with no gradient against the K/V store of
-     the positions before it; its K/V go into the store, and (recurrent layers) the state entering
-     every stride-th chunk is kept as a checkpoint.
+  1. decode_forward: every chunk but the last (whose K/V no chunk reads), first to last, runs
+     with no gradient against the K/V store of the positions before it; its K/V go into the
+     store, and (recurrent layers) the state entering every stride-th chunk is kept.
   2. reverse: every needed chunk, last to first, runs as a graph whose inputs are the adapter, the
      prefix K/V on [grad_from, start) and the entry state; its objective is its share of the loss
      plus <own K/V, adjoint> + <exit state, adjoint>, the adjoints being what later chunks sent
@@ -327,7 +327,7 @@ class ExactWalk(_ChunkRunner):
         even one chunk of taps would not fit."""
         if self.config.device_budget is None:
             return None
-        self.acts = budget.probe(self.model, self.config.chunk)
+        self.acts = budget.probe(self.model, self.config.chunk, self.config.recompute)
         est = budget.estimate(self.model, self.layout, self.acts, self.plan, self.config.cache_type)
         last = self.plan.chunks[-1]
         least = budget.graph_bytes(
@@ -533,7 +533,8 @@ def train_window(
     on_chunk: Callable[[str, int, int], None] | None = None,
 ):
     """Train on one window: the exact walk takes one step, the plain walk one per labelled chunk.
-    A refusal (memory, bad input) is raised before any array is allocated or any step taken.
+    A refusal (memory, bad input) is raised before any array of the window exists or any step is
+    taken (a device budget's probe, run once per model and chunk size, comes first).
     Returns the walk, whose `loss` holds the window's loss (at the adapter it started from)."""
     if walk == "exact":
         runner = ExactWalk(model, window, config)
