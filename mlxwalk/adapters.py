@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
@@ -59,7 +59,7 @@ def atomic_write(path: Path, write) -> None:
             os.unlink(tmp)
 
 
-def save(model: nn.Module, folder: Path, lora: LoraConfig, extra: dict | None = None) -> None:
+def save(model: nn.Module, folder: Path, lora: LoraConfig) -> None:
     """adapters.safetensors and adapter_config.json, each written atomically."""
     folder = Path(folder)
     weights = dict(tree_flatten(model.trainable_parameters()))
@@ -68,11 +68,6 @@ def save(model: nn.Module, folder: Path, lora: LoraConfig, extra: dict | None = 
         "fine_tune_type": "lora",
         "num_layers": len(model.layers) if lora.num_layers < 0 else lora.num_layers,
         "lora_parameters": lora.parameters(),
-        **(extra or {}),
     }
     text = json.dumps(config, indent=2)
     atomic_write(folder / "adapter_config.json", lambda p: Path(p).write_text(text))
-
-
-def lora_config(d: dict) -> LoraConfig:
-    return LoraConfig(**{k: v for k, v in d.items() if k in asdict(LoraConfig())})

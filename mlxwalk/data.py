@@ -14,7 +14,7 @@ and its end and drops the middle); one left with no labelled token is skipped. B
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -57,7 +57,6 @@ class Dataset:
     skipped: int = 0  # no labelled token
     truncated: int = 0
     source: str = ""
-    notes: list[str] = field(default_factory=list)
 
     @property
     def trainable_tokens(self) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 MIB = 1 << 20
 
@@ -72,7 +72,6 @@ class Plan:
     accumulator_bytes: int = 0
     stride: int = 1  # a recurrent checkpoint every `stride` chunks
     checkpoint_bytes: int = 0
-    notes: tuple[str, ...] = field(default=())
 
     @property
     def computed(self) -> int:

@@ -57,11 +57,6 @@ class KVStore:
     def arrays(self) -> list:
         return [self.keys, self.values]
 
-    @property
-    def nbytes(self) -> int:
-        flat = [a for side in (self.keys, self.values) for x in side for a in _leaves(x)]
-        return sum(a.nbytes for a in flat)
-
     def write(self, layer: int, start: int, k: mx.array, v: mx.array) -> None:
         end = start + k.shape[2]
         self.keys[layer] = self._put(self.keys[layer], start, end, k)
@@ -91,6 +86,3 @@ class KVStore:
         x = mx.dequantize(wq, scales, biases, group_size=group_size(dim), bits=Q_BITS)
         return x.astype(dtype)
 
-
-def _leaves(x):
-    return x if isinstance(x, list) else [x]
