@@ -85,4 +85,3 @@ class KVStore:
         dim = wq.shape[-1] * 32 // Q_BITS
         x = mx.dequantize(wq, scales, biases, group_size=group_size(dim), bits=Q_BITS)
         return x.astype(dtype)
-
