@@ -62,6 +62,18 @@ class Dataset:
     def trainable_tokens(self) -> int:
         return sum(e.trainable for e in self.examples)
 
+    def fitted(self, window: int, how: str = "left") -> Dataset:
+        """Every example cut to `window` positions (`fit`); one left with no label is skipped."""
+        out = Dataset([], self.skipped, self.truncated, self.source)
+        for example in self.examples:
+            example, cut = fit(example, window, how)
+            out.truncated += cut
+            if example.trainable == 0:
+                out.skipped += 1
+            else:
+                out.examples.append(example)
+        return out
+
 
 def read_jsonl(path: Path) -> list[dict]:
     rows = []
@@ -181,14 +193,11 @@ def load(
     data = Dataset([], source=str(path))
     for number, row in enumerate(rows, 1):
         ex = to_example(tokenizer, row, f"{path}:{number}", mask_prompt)
-        if window is not None:
-            ex, cut = fit(ex, window, how)
-            data.truncated += cut
         if len(ex) < 1 or ex.trainable == 0:
             data.skipped += 1
-            continue
-        data.examples.append(ex)
-    return data
+        else:
+            data.examples.append(ex)
+    return data if window is None else data.fitted(window, how)
 
 
 def check_folder(folder) -> Path:

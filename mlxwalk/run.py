@@ -216,14 +216,14 @@ class Run:
 
     def _load(self, folder: Path) -> tuple[data.Dataset, data.Dataset]:
         cfg = self.cfg
-        whole = data.load(folder, "train", self.tokenizer, None)
+        whole = data.load(folder, "train", self.tokenizer, None, mask_prompt=cfg.mask_prompt)
         if not whole.examples:
             raise PlanError(f"no training example has a labelled token ({whole.source})")
         longest = max(len(e) for e in whole.examples)
         asked = cfg.window or cfg.chunk * math.ceil(longest / cfg.chunk)
         self.window_asked = cfg.window or longest
         self.window = min(asked, self.limit) if self.limit else asked
-        train = data.load(folder, "train", self.tokenizer, self.window, cfg.fit, cfg.mask_prompt)
+        train = whole.fitted(self.window, cfg.fit)  # tokenized once: chats render turn by turn
         if (folder / "valid.jsonl").exists():
             valid = data.load(
                 folder, "valid", self.tokenizer, self.window, cfg.fit, cfg.mask_prompt
