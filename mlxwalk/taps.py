@@ -18,7 +18,6 @@ from contextlib import contextmanager
 
 import mlx.core as mx
 from mlx import nn
-from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.cache import create_attention_mask
 
 from .attention import Prefix
@@ -154,55 +153,6 @@ def _find_cache(args: tuple, kwargs: dict):
     return None
 
 
-def stepwise(fn):
-    """`mx.checkpoint(fn)` that also evaluates as it goes: the forward's outputs when they are
-    made, and in the backward the inputs' gradients as soon as `fn`'s VJP has been taken. A chunk's
-    graph then runs one layer at a time in both directions, so its peak is one layer's graph on
-    every backend (MLX's CUDA backend otherwise returns a graph's freed buffers only once the GPU
-    has run all the work queued before them). `fn`'s arguments are arrays or trees of them."""
-    shapes: list = []  # per argument: its empty value, or its leaves' names
-
-    def rebuild(arrays: list) -> list:
-        args, i = [], 0
-        for empty, names in shapes:
-            leaves = arrays[i : i + len(names)]
-            i += len(names)
-            if names == [""]:
-                args.append(leaves[0])
-            else:
-                args.append(tree_unflatten(list(zip(names, leaves))) if names else empty)
-        return args
-
-    def flat(*arrays):
-        return fn(*rebuild(list(arrays)))
-
-    @mx.custom_function
-    def run(*arrays):
-        out = flat(*arrays)
-        mx.eval(out)
-        return out
-
-    @run.vjp
-    def run_vjp(primals, cotangents, outputs):
-        single = isinstance(primals, mx.array)  # MLX passes a lone input (and output) bare
-        primals = [primals] if single else list(primals)
-        cot = list(cotangents) if isinstance(cotangents, (list, tuple)) else [cotangents]
-        _, grads = mx.vjp(flat, primals, cot)  # recompute, then the VJP
-        mx.eval(grads)
-        return grads[0] if single else tuple(grads)
-
-    def call(*args):
-        shapes.clear()
-        arrays = []
-        for a in args:
-            leaves = [("", a)] if isinstance(a, mx.array) else tree_flatten(a)
-            shapes.append((type(a)() if not leaves else None, [k for k, _ in leaves]))
-            arrays += [v for _, v in leaves]
-        return run(*arrays)
-
-    return call
-
-
 _walk_classes: dict[tuple[type, bool], type] = {}
 
 
@@ -230,7 +180,7 @@ def _walk_class(base: type, recompute: bool) -> type:
             cache.bind(taps)
             return call(self, x, *args, **kwargs), cache.surrogate()
 
-        y, cache.surrogate_value = stepwise(layer)(
+        y, cache.surrogate_value = mx.checkpoint(layer)(
             self.trainable_parameters(), x, cache.inputs()
         )
         return y

@@ -37,7 +37,7 @@ from .attention import Prefix, tiled_attention
 from .delta import fast_recurrence
 from .plan import MIB, Chunk, PlanError, cut, plan_window
 from .store import KVStore, check_cache_type
-from .taps import ChunkKV, ChunkState, stepwise, walk_layers
+from .taps import ChunkKV, ChunkState, walk_layers
 
 log = logging.getLogger("mlxwalk")
 
@@ -132,9 +132,9 @@ LOSS_BLOCK = 1024  # positions whose logits are alive at once in a chunk's graph
 
 def head_loss(head: arch.Head, h: mx.array, targets, weights, total: float) -> mx.array:
     """weighted_loss of the logits `head.project(h)`, LOSS_BLOCK positions at a time, each block
-    checkpointed and evaluated on its own (taps.stepwise): the chunk's logits (positions x
-    vocabulary, the largest tensor of a chunk's graph for a large vocabulary) are never all
-    alive, in the forward or in the backward, at the price of one more output projection."""
+    checkpointed: the chunk's logits (positions x vocabulary, the largest tensor of a chunk's
+    graph for a large vocabulary) are never all alive, in the forward or in the backward, at
+    the price of one more output projection."""
     n = h.shape[1]
     if n <= LOSS_BLOCK:
         return weighted_loss(head.project(h), targets, weights, total)
@@ -144,7 +144,7 @@ def head_loss(head: arch.Head, h: mx.array, targets, weights, total: float) -> m
             head.module.update(params)  # a checkpoint takes closed-over arrays as constants
             return weighted_loss(head.project(hb), targets[:, b], weights[:, b], total)
 
-        return stepwise(loss)(head.module.trainable_parameters(), h[:, b])
+        return mx.checkpoint(loss)(head.module.trainable_parameters(), h[:, b])
 
     return sum(block_loss(slice(a, a + LOSS_BLOCK)) for a in range(0, n, LOSS_BLOCK))
 
