@@ -99,6 +99,7 @@ class Head:
     body: Callable[[mx.array, list], mx.array]
     project: Callable[[mx.array], mx.array]
     module: nn.Module
+    norm: Callable[[mx.array], mx.array]  # what `body` applies after its last layer
 
 
 def head(model: nn.Module) -> Head | None:
@@ -115,4 +116,7 @@ def head(model: nn.Module) -> Head | None:
     if module is None:
         return None
     project = module.as_linear if tied else module
-    return Head(lambda x, cache: inner(x, cache), project, module)
+    norm = getattr(inner, "norm", None)
+    if norm is None:
+        return None
+    return Head(lambda x, cache: inner(x, cache), project, module, norm)

@@ -13,8 +13,9 @@ checkpointed function treats arrays it closes over as constants.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import mlx.core as mx
 from mlx import nn
@@ -153,6 +154,40 @@ def _find_cache(args: tuple, kwargs: dict):
     return None
 
 
+@dataclass
+class LayerCall:
+    """One decoder layer's call in a recorded forward: enough to run it again on its own."""
+
+    layer: nn.Module
+    call: Callable
+    x: mx.array
+    out: mx.array
+    args: tuple
+    kwargs: dict
+    cache: ChunkKV | ChunkState
+
+    def objective(self, params: dict, x: mx.array, taps: list, dy: mx.array) -> mx.array:
+        """<the layer's output, dy> + its surrogate: differentiated, the layer's VJP at dy."""
+        self.layer.update(params)
+        self.cache.bind(taps)
+        y = self.call(self.layer, x, *self.args, **self.kwargs)
+        return inner(y, dy) + self.cache.surrogate()
+
+
+_recording: list[LayerCall] | None = None
+
+
+@contextmanager
+def recording() -> Iterator[list[LayerCall]]:
+    """Within the block, each walk layer's call is run with no gradient, evaluated, and recorded."""
+    global _recording
+    previous, _recording = _recording, []
+    try:
+        yield _recording
+    finally:
+        _recording = previous
+
+
 _walk_classes: dict[tuple[type, bool], type] = {}
 
 
@@ -170,6 +205,11 @@ def _walk_class(base: type, recompute: bool) -> type:
         cache = _find_cache(args, kwargs)
         if cache is None:
             return call(self, x, *args, **kwargs)
+        if _recording is not None:
+            y = call(self, x, *args, **kwargs)
+            mx.eval(x, y)  # one layer at a time: its graph is freed before the next is built
+            _recording.append(LayerCall(self, call, x, y, args, kwargs, cache))
+            return y
         if not recompute:  # the taps are already bound and in the graph: nothing to pass
             y = call(self, x, *args, **kwargs)
             cache.surrogate_value = cache.surrogate()

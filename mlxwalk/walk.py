@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 import mlx.core as mx
 import numpy as np
 from mlx import nn
+from mlx.utils import tree_flatten, tree_map_with_path
 
 from . import adapters, arch, budget
 from .accum import ACCUMULATOR_DTYPES, Accumulators
@@ -37,7 +38,7 @@ from .attention import Prefix, tiled_attention
 from .delta import fast_recurrence
 from .plan import MIB, Chunk, PlanError, cut, plan_window
 from .store import KVStore, check_cache_type
-from .taps import ChunkKV, ChunkState, walk_layers
+from .taps import ChunkKV, ChunkState, recording, walk_layers
 
 log = logging.getLogger("mlxwalk")
 
@@ -263,6 +264,49 @@ class _ChunkRunner:
         h = self.head.body(x, caches)
         return head_loss(self.head, h, y, w, total) if scored else mx.array(0.0)
 
+    def graph_by_layer(self, chunk: Chunk, caches: list):
+        """`graph` with recompute, run one layer at a time: a forward with no gradient records
+        each layer's input; the loss is differentiated in the last layer's output; then each
+        layer, last to first, is run again and differentiated alone (its VJP at the gradient of
+        its output, plus its surrogate), and evaluated before the next. Only one layer's graph
+        ever exists, so the peak is one layer's graph on every backend (a single graph with
+        checkpointed layers is one evaluation, whose freed buffers MLX's CUDA backend reclaims
+        only as the GPU catches up)."""
+        head, (x, y, w) = self.head, self.window.arrays(chunk.start, chunk.end)
+        self._seed(chunk)
+        for c in caches:
+            c.bind(c.inputs())
+        with recording() as calls:
+            head.body(x, caches)
+
+        def head_objective(params, h):
+            head.module.update(params)
+            return head_loss(head, head.norm(h), y, w, self.window.total)
+
+        last = calls[-1].out
+        if chunk.labelled:
+            params = head.module.trainable_parameters()
+            loss, (g_head, dy) = mx.value_and_grad(head_objective, argnums=(0, 1))(params, last)
+            mx.eval(loss, g_head, dy)
+        else:
+            loss, g_head, dy = mx.array(0.0), {}, mx.zeros_like(last)
+        index = {id(c): i for i, c in enumerate(caches)}
+        g_inputs: list = [[] for _ in caches]
+        by_name = {}
+        names = {id(m): name for name, m in self.model.named_modules()}
+        for name, g in tree_flatten(g_head):
+            by_name[f"{names[id(head.module)]}.{name}"] = g
+        for call in reversed(calls):
+            differentiate = mx.value_and_grad(call.objective, argnums=(0, 1, 2))
+            params = call.layer.trainable_parameters()
+            _, (g_params, dy, g_taps) = differentiate(params, call.x, call.cache.inputs(), dy)
+            mx.eval(g_params, dy, g_taps)
+            g_inputs[index[id(call.cache)]] = g_taps
+            for name, g in tree_flatten(g_params):
+                by_name[f"{names[id(call.layer)]}.{name}"] = g
+        grads = tree_map_with_path(lambda path, _: by_name[path], self.model.trainable_parameters())
+        return loss, grads, g_inputs
+
     def decode(self, chunk: Chunk, entry: State, write: bool = True, losses: list | None = None):
         """Run `chunk` with no gradient; write its K/V to the store; return its exit state.
         With `losses`, the chunk's loss share is appended to it."""
@@ -286,6 +330,8 @@ class _ChunkRunner:
 
     def graph(self, chunk: Chunk, caches: list):
         """The chunk's loss share plus its surrogates, differentiated in the adapter and taps."""
+        if self.config.recompute and self.head is not None:
+            return self.graph_by_layer(chunk, caches)
         model = self.model
         x, y, w = self.window.arrays(chunk.start, chunk.end)
         self._seed(chunk)

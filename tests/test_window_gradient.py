@@ -87,3 +87,16 @@ def test_dropout_gets_a_seed_and_refuses_recompute(qwen2):
     assert ExactWalk(qwen2, Window.of(X, Y, w), WalkConfig(chunk=32)).seed is not None
     with pytest.raises(PlanError, match="dropout"):
         window_gradient(qwen2, X, Y, w, chunk=32, recompute=True)
+
+
+@pytest.mark.parametrize("split", [True, False])  # by layer, or mx.checkpoint in one graph
+def test_recompute_is_exact_with_and_without_the_head_split(qwen2, monkeypatch, split):
+    from mlxwalk import arch
+
+    if not split:
+        monkeypatch.setattr(arch, "head", lambda model: None)
+    w = np.r_[np.zeros(30), np.ones(98)]
+    l1, one = window_gradient(qwen2, X, Y, w, chunk=N, walk="one-graph")
+    le, exact = window_gradient(qwen2, X, Y, w, chunk=32, recompute=True)
+    assert le == pytest.approx(l1, rel=1e-5)
+    assert compare(exact, one)[0] >= 0.99999
