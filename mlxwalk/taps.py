@@ -175,6 +175,18 @@ class LayerCall:
 
 
 _recording: list[LayerCall] | None = None
+_eager = False
+
+
+@contextmanager
+def eager_layers() -> Iterator[None]:
+    """Within the block (no gradient), each walk layer's output is evaluated as it is made."""
+    global _eager
+    previous, _eager = _eager, True
+    try:
+        yield
+    finally:
+        _eager = previous
 
 
 @contextmanager
@@ -205,6 +217,10 @@ def _walk_class(base: type, recompute: bool) -> type:
         cache = _find_cache(args, kwargs)
         if cache is None:
             return call(self, x, *args, **kwargs)
+        if _eager:
+            y = call(self, x, *args, **kwargs)
+            mx.eval(y)  # one layer's graph at a time
+            return y
         if _recording is not None:
             y = call(self, x, *args, **kwargs)
             mx.eval(x, y)  # one layer at a time: its graph is freed before the next is built

@@ -38,7 +38,7 @@ from .attention import Prefix, tiled_attention
 from .delta import fast_recurrence
 from .plan import MIB, Chunk, PlanError, cut, plan_window
 from .store import KVStore, check_cache_type
-from .taps import ChunkKV, ChunkState, recording, walk_layers
+from .taps import ChunkKV, ChunkState, eager_layers, recording, walk_layers
 
 log = logging.getLogger("mlxwalk")
 
@@ -314,7 +314,8 @@ class _ChunkRunner:
         x, y, w = self.window.arrays(chunk.start, chunk.end)
         self._seed(chunk)
         scored = losses is not None and chunk.labelled
-        loss = self.run_chunk(x, caches, y, w, scored)  # lazy: only what is evaluated is computed
+        with eager_layers():  # a layer at a time; the logits only if scored
+            loss = self.run_chunk(x, caches, y, w, scored)
         exit_state = [c.produced() for c in caches if isinstance(c, ChunkState)] or None
         kv = [c.produced() for c in caches if isinstance(c, ChunkKV)] if write else []
         if scored:
