@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 
 import mlx.core as mx
@@ -314,8 +314,9 @@ class _ChunkRunner:
         x, y, w = self.window.arrays(chunk.start, chunk.end)
         self._seed(chunk)
         scored = losses is not None and chunk.labelled
-        with eager_layers():  # a layer at a time; the logits only if scored
-            loss = self.run_chunk(x, caches, y, w, scored)
+        # On CUDA a layer at a time (freed buffers return only once the GPU has run the graph)
+        with eager_layers() if mx.cuda.is_available() else nullcontext():
+            loss = self.run_chunk(x, caches, y, w, scored)  # the logits only if scored
         exit_state = [c.produced() for c in caches if isinstance(c, ChunkState)] or None
         kv = [c.produced() for c in caches if isinstance(c, ChunkKV)] if write else []
         if scored:
