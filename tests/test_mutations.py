@@ -16,12 +16,13 @@ IDS = np.random.default_rng(2).integers(0, 256, N + 1)
     [("qwen2", taps.ChunkKV), ("hybrid", taps.ChunkState)],
     ids=["kv-surrogate", "state-surrogate"],
 )
-def test_exact_row_fails_without_the_surrogate(request, model, cache, monkeypatch):
+@pytest.mark.parametrize("recompute", [False, True], ids=["one-graph", "by-layer"])
+def test_exact_row_fails_without_the_surrogate(request, model, cache, recompute, monkeypatch):
     model = request.getfixturevalue(model)
     w = np.ones(N)
     _, one = window_gradient(model, IDS[:-1], IDS[1:], w, chunk=N, walk="one-graph")
-    _, exact = window_gradient(model, IDS[:-1], IDS[1:], w, chunk=32)
+    _, exact = window_gradient(model, IDS[:-1], IDS[1:], w, chunk=32, recompute=recompute)
     assert BARS[EXACT](*compare(exact, one))
     monkeypatch.setattr(cache, "surrogate", lambda self: mx.array(0.0))
-    _, broken = window_gradient(model, IDS[:-1], IDS[1:], w, chunk=32)
+    _, broken = window_gradient(model, IDS[:-1], IDS[1:], w, chunk=32, recompute=recompute)
     assert not BARS[EXACT](*compare(broken, one))
