@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 
 import mlx.core as mx
@@ -82,6 +83,24 @@ class grad_checkpoint:
         self.cls.__call__ = self.original
 
 
+@contextmanager
+def memory_limit(mib: float | None) -> Iterator[None]:
+    """MLX held to `mib` within the block (none if None): its allocator then waits for pending
+    work to free memory rather than grow (on CUDA, frees take effect only once the GPU has run
+    the work)."""
+    previous = mx.set_memory_limit(int(mib * MIB)) if mib else None
+    try:
+        yield
+    finally:
+        if previous is not None:
+            mx.set_memory_limit(previous)
+
+
+def stepping(model, kind: str):
+    """mlx-lm's grad_checkpoint for the `+ckpt` step, nothing for the others."""
+    return grad_checkpoint(model) if kind == "mlx-lm+ckpt" else nullcontext()
+
+
 def mlx_lm_step(model, optimizer, window: int) -> Callable[[], None]:
     """One step of mlx-lm's trainer on one sequence of `window` tokens, every position trained."""
     from mlx_lm.tuner.trainer import default_loss
@@ -131,39 +150,25 @@ def measure_step(
     model, kind: str, window: int, config: WalkConfig, repeats: int = 2, limit_mib=None
 ) -> Measure:
     """A training step (gradient and optimizer update) of `kind` on one window; with `limit_mib`,
-    MLX held to that memory limit (its allocator then waits for pending work to free memory
-    rather than grow: on CUDA, frees take effect only once the GPU has run the work)."""
+    MLX held to that memory limit (see memory_limit)."""
     run = step_for(model, kind, window, config)
-    previous = mx.set_memory_limit(int(limit_mib * MIB)) if limit_mib else None
-    try:
-        if kind == "mlx-lm+ckpt":
-            with grad_checkpoint(model):
-                s, peak, over = timed(run, repeats)
-        else:
-            s, peak, over = timed(run, repeats)
-    finally:
-        if previous is not None:
-            mx.set_memory_limit(previous)
+    with memory_limit(limit_mib), stepping(model, kind):
+        s, peak, over = timed(run, repeats)
     return Measure(kind, window, config.chunk, s, window / s, peak, over)
 
 
 def fits(model, kind: str, window: int, config: WalkConfig, cap_mib: float) -> bool:
     """Whether one step at `window` runs with a measured peak under the cap (MLX held to it)."""
-    previous = mx.set_memory_limit(int(cap_mib * MIB))
     try:
-        run = step_for(model, kind, window, config)
-        mx.clear_cache()
-        mx.reset_peak_memory()
-        if kind == "mlx-lm+ckpt":
-            with grad_checkpoint(model):
-                run()
-        else:
+        with memory_limit(cap_mib), stepping(model, kind):
+            run = step_for(model, kind, window, config)
+            mx.clear_cache()
+            mx.reset_peak_memory()
             run()
         return mx.get_peak_memory() <= cap_mib * MIB
     except (RuntimeError, MemoryError, ValueError):
         return False
     finally:
-        mx.set_memory_limit(previous)
         mx.clear_cache()
 
 
@@ -222,3 +227,65 @@ def ratios(rows: list[Measure], against: str = "one-graph") -> str:
                 cells.append("- | -")
         out.append(f"| {n} | " + " | ".join(cells) + " |")
     return f"ratios against {against} (time, peak):\n" + "\n".join(out)
+
+
+# Realistic shapes with random weights, for the device measurements (scripts/bench-device,
+# scripts/profile-*); `small` shrinks every dimension to check a script on a CPU.
+SHAPES = {
+    "qwen2-0.5b": dict(
+        model_type="qwen2", hidden_size=896, num_hidden_layers=24, intermediate_size=4864,
+        num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, max_position_embeddings=131072, tie_word_embeddings=True,
+    ),
+    "qwen3_5-0.8b": dict(
+        model_type="qwen3_5", hidden_size=1024, num_hidden_layers=24, intermediate_size=3584,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=256, vocab_size=248320,
+        rms_norm_eps=1e-6, max_position_embeddings=262144, tie_word_embeddings=True,
+        full_attention_interval=4, linear_num_key_heads=16, linear_num_value_heads=16,
+        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                         "partial_rotary_factor": 0.25},
+    ),
+}  # fmt: skip
+SMALL = dict(hidden_size=128, num_hidden_layers=4, intermediate_size=256, vocab_size=512)
+
+
+def shaped(name: str, small: bool = False):
+    """A random model of the named shape in bf16, with LoRA r8 on its last 16 layers."""
+    import importlib
+
+    from mlx.utils import tree_flatten, tree_map
+
+    from . import adapters
+
+    cfg = dict(SHAPES[name])
+    if small:
+        cfg.update(SMALL)
+        if cfg["model_type"] == "qwen3_5":
+            cfg.update(
+                num_attention_heads=4,
+                head_dim=64,
+                linear_num_key_heads=2,
+                linear_num_value_heads=4,
+                linear_key_head_dim=64,
+                linear_value_head_dim=64,
+            )
+        else:
+            cfg.update(num_attention_heads=4, num_key_value_heads=2)
+    arch = importlib.import_module(f"mlx_lm.models.{cfg['model_type']}")
+    mx.random.seed(0)
+    model = arch.Model(arch.ModelArgs.from_dict(cfg))
+    model.update(
+        tree_map(
+            lambda p: (
+                (0.02 * mx.random.normal(p.shape)).astype(mx.bfloat16)
+                if p.ndim > 1
+                else p.astype(mx.bfloat16)
+            ),
+            model.parameters(),
+        )
+    )
+    adapters.apply(model, adapters.LoraConfig(rank=8, scale=20.0, num_layers=16))
+    mx.eval(model.parameters())
+    n = sum(v.size for _, v in tree_flatten(model.parameters()))
+    return model, n

@@ -8,7 +8,8 @@ state) so the chunk's objective can add the surrogate <produced, adjoint> for th
 
 `walk_layers` wraps each decoder layer for the duration of a walk so that the taps enter the layer
 as explicit inputs: that is what lets `mx.checkpoint` (recompute) carry their gradient, since a
-checkpointed function treats arrays it closes over as constants.
+checkpointed function treats arrays it closes over as constants. Within `recording` (layerwise.py)
+the wrapper instead runs each layer with no gradient and keeps what it needs to run it again alone.
 """
 
 from __future__ import annotations

@@ -30,15 +30,15 @@ from dataclasses import dataclass, replace
 import mlx.core as mx
 import numpy as np
 from mlx import nn
-from mlx.utils import tree_flatten, tree_map_with_path
 
-from . import adapters, arch, budget
+from . import adapters, arch, budget, layerwise
 from .accum import ACCUMULATOR_DTYPES, Accumulators
 from .attention import Prefix, tiled_attention
 from .delta import fast_recurrence
+from .loss import head_loss, weighted_loss
 from .plan import MIB, Chunk, PlanError, cut, plan_window
 from .store import KVStore, check_cache_type
-from .taps import ChunkKV, ChunkState, eager_layers, recording, walk_layers
+from .taps import ChunkKV, ChunkState, eager_layers, walk_layers
 
 log = logging.getLogger("mlxwalk")
 
@@ -128,45 +128,9 @@ class Window:
         )
 
 
-LOSS_BLOCK = 1024  # positions whose logits are alive at once in a chunk's graph
-
-
-def head_loss(head: arch.Head, h: mx.array, targets, weights, total: float) -> mx.array:
-    """weighted_loss of the logits `head.project(h)`, LOSS_BLOCK positions at a time, each block
-    checkpointed: the chunk's logits (positions x vocabulary, the largest tensor of a chunk's
-    graph for a large vocabulary) are never all alive, in the forward or in the backward, at
-    the price of one more output projection."""
-    n = h.shape[1]
-    if n <= LOSS_BLOCK:
-        return weighted_loss(head.project(h), targets, weights, total)
-
-    def block_loss(b: slice) -> mx.array:
-        def loss(params, hb):  # targets and weights are constants: closed over
-            head.module.update(params)  # a checkpoint takes closed-over arrays as constants
-            return weighted_loss(head.project(hb), targets[:, b], weights[:, b], total)
-
-        return mx.checkpoint(loss)(head.module.trainable_parameters(), h[:, b])
-
-    return sum(block_loss(slice(a, a + LOSS_BLOCK)) for a in range(0, n, LOSS_BLOCK))
-
-
 def _zeros(shape: tuple[int, ...]) -> mx.array:
     """Zeros that hold no memory (a broadcast scalar): the taps' values are never read."""
     return mx.broadcast_to(mx.zeros((1,) * len(shape), mx.float32), shape)
-
-
-def weighted_loss(logits: mx.array, targets: mx.array, weights: mx.array, total: float):
-    """sum(w * CE) / total, in float32.
-
-    On a GPU, MLX's fused cross-entropy reads the logits in their own dtype and accumulates in
-    float32: no float32 copy of the chunk's logits (chunk x vocabulary) and a gradient in their
-    dtype. The CPU has no fused kernel (its fallback reduces in the logits' dtype), so there the
-    logits are cast first."""
-    if mx.default_device() == mx.gpu:
-        ce = mx.fast.cross_entropy(logits, targets)
-    else:
-        ce = nn.losses.cross_entropy(logits.astype(mx.float32), targets, reduction="none")
-    return (ce * weights).sum() / total
 
 
 @contextmanager
@@ -265,47 +229,11 @@ class _ChunkRunner:
         return head_loss(self.head, h, y, w, total) if scored else mx.array(0.0)
 
     def graph_by_layer(self, chunk: Chunk, caches: list):
-        """`graph` with recompute, run one layer at a time: a forward with no gradient records
-        each layer's input; the loss is differentiated in the last layer's output; then each
-        layer, last to first, is run again and differentiated alone (its VJP at the gradient of
-        its output, plus its surrogate), and evaluated before the next. Only one layer's graph
-        ever exists, so the peak is one layer's graph on every backend (a single graph with
-        checkpointed layers is one evaluation, whose freed buffers MLX's CUDA backend reclaims
-        only as the GPU catches up)."""
-        head, (x, y, w) = self.head, self.window.arrays(chunk.start, chunk.end)
+        """`graph` with recompute, one layer at a time (see layerwise.gradient)."""
+        x, y, w = self.window.arrays(chunk.start, chunk.end)
         self._seed(chunk)
-        for c in caches:
-            c.bind(c.inputs())
-        with recording() as calls:
-            head.body(x, caches)
-
-        def head_objective(params, h):
-            head.module.update(params)
-            return head_loss(head, head.norm(h), y, w, self.window.total)
-
-        last = calls[-1].out
-        if chunk.labelled:
-            params = head.module.trainable_parameters()
-            loss, (g_head, dy) = mx.value_and_grad(head_objective, argnums=(0, 1))(params, last)
-            mx.eval(loss, g_head, dy)
-        else:
-            loss, g_head, dy = mx.array(0.0), {}, mx.zeros_like(last)
-        index = {id(c): i for i, c in enumerate(caches)}
-        g_inputs: list = [[] for _ in caches]
-        by_name = {}
-        names = {id(m): name for name, m in self.model.named_modules()}
-        for name, g in tree_flatten(g_head):
-            by_name[f"{names[id(head.module)]}.{name}"] = g
-        for call in reversed(calls):
-            differentiate = mx.value_and_grad(call.objective, argnums=(0, 1, 2))
-            params = call.layer.trainable_parameters()
-            _, (g_params, dy, g_taps) = differentiate(params, call.x, call.cache.inputs(), dy)
-            mx.eval(g_params, dy, g_taps)
-            g_inputs[index[id(call.cache)]] = g_taps
-            for name, g in tree_flatten(g_params):
-                by_name[f"{names[id(call.layer)]}.{name}"] = g
-        grads = tree_map_with_path(lambda path, _: by_name[path], self.model.trainable_parameters())
-        return loss, grads, g_inputs
+        scored = chunk.labelled
+        return layerwise.gradient(self.model, self.head, caches, x, y, w, self.window.total, scored)
 
     def decode(self, chunk: Chunk, entry: State, write: bool = True, losses: list | None = None):
         """Run `chunk` with no gradient; write its K/V to the store; return its exit state.

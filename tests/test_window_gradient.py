@@ -59,13 +59,13 @@ def test_bad_input_raises_value_error(qwen2, kwargs, inputs, match):
 def test_loss_in_blocks_is_exact(name, request, monkeypatch):
     import mlx.core as mx
 
-    from mlxwalk import arch, walk
+    from mlxwalk import arch, loss
 
     model = request.getfixturevalue(name)
     head = arch.head(model)
     x = mx.array(X[:40])[None]
     assert mx.allclose(head.project(head.body(x, None)), model(x), atol=1e-5)
-    monkeypatch.setattr(walk, "LOSS_BLOCK", 16)  # a 64-position chunk's loss in 4 blocks
+    monkeypatch.setattr(loss, "LOSS_BLOCK", 16)  # a 64-position chunk's loss in 4 blocks
     w = np.r_[np.zeros(20), np.ones(108)]
     l1, one = window_gradient(model, X, Y, w, chunk=N, walk="one-graph")
     le, exact = window_gradient(model, X, Y, w, chunk=64)

@@ -1,0 +1,59 @@
+"""A chunk's gradient one layer at a time (the walk's recompute).
+
+A forward with no gradient records each decoder layer's input (taps.recording); the loss is
+differentiated in the last layer's output; then each layer, last to first, is run again and
+differentiated alone, at the gradient of its output plus its surrogate, and evaluated before the
+next. Only one layer's graph ever exists, so the peak is one layer's graph on every backend: a
+single graph with checkpointed layers is one evaluation, whose freed buffers MLX's CUDA backend
+reclaims only as the GPU catches up. (Evaluating inside a VJP under `mx.grad` instead would keep
+every layer's forward graph alive.)
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx import nn
+from mlx.utils import tree_flatten, tree_map_with_path
+
+from .arch import Head
+from .loss import head_loss
+from .taps import recording
+
+
+def gradient(model: nn.Module, head: Head, caches: list, x, y, w, total: float, scored: bool):
+    """(loss share, gradient in the model's trainable parameters, per cache its taps' gradient),
+    as `mx.value_and_grad` of the chunk's objective would give them."""
+    for c in caches:
+        c.bind(c.inputs())
+    with recording() as calls:
+        head.body(x, caches)
+    names = {id(m): name for name, m in model.named_modules()}
+    by_name: dict[str, mx.array] = {}
+
+    def collect(module: nn.Module, grads: dict) -> None:
+        by_name.update((f"{names[id(module)]}.{k}", g) for k, g in tree_flatten(grads))
+
+    def head_objective(params, h):
+        head.module.update(params)
+        return head_loss(head, head.norm(h), y, w, total)
+
+    last = calls[-1].out
+    if scored:
+        params = head.module.trainable_parameters()
+        loss, (g_head, dy) = mx.value_and_grad(head_objective, argnums=(0, 1))(params, last)
+        mx.eval(loss, g_head, dy)
+        collect(head.module, g_head)
+    else:
+        loss, dy = mx.array(0.0), mx.zeros_like(last)
+    index = {id(c): i for i, c in enumerate(caches)}
+    g_inputs: list = [[] for _ in caches]
+    for call in reversed(calls):
+        differentiate = mx.grad(call.objective, argnums=(0, 1, 2))
+        g_params, dy, g_taps = differentiate(
+            call.layer.trainable_parameters(), call.x, call.cache.inputs(), dy
+        )
+        mx.eval(g_params, dy, g_taps)
+        g_inputs[index[id(call.cache)]] = g_taps
+        collect(call.layer, g_params)
+    grads = tree_map_with_path(lambda path, _: by_name[path], model.trainable_parameters())
+    return loss, grads, g_inputs
