@@ -5,14 +5,17 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
+
+from .files import atomic_write, write_text
+from .plan import PlanError
+
+LINEAR_TYPES = ("Linear", "QuantizedLinear", "SwitchLinear", "QuantizedSwitchLinear")
 
 
 @dataclass
@@ -30,33 +33,67 @@ class LoraConfig:
         return p
 
 
+def layers_of(model: nn.Module, lora: LoraConfig) -> list[nn.Module]:
+    n = len(model.layers) if lora.num_layers < 0 else lora.num_layers
+    return list(model.layers)[-n:] if n else []
+
+
+def check(model: nn.Module, lora: LoraConfig) -> None:
+    """Refuse, naming the flag, a target key that names no linear layer among the adapted ones.
+    (More layers than the model has means all of them, as in mlx-lm.)"""
+    if not lora.keys:
+        return
+    found = {
+        name
+        for layer in layers_of(model, lora)
+        for name, m in layer.named_modules()
+        if type(m).__name__ in LINEAR_TYPES or hasattr(m, "to_lora")
+    }
+    for key in lora.keys:
+        if key not in found:
+            have = ", ".join(sorted(found)[:12]) + (", ..." if len(found) > 12 else "")
+            raise PlanError(
+                f"--targets: {key!r} is not a linear layer of the adapted layers; they have {have}"
+            )
+
+
 def apply(model: nn.Module, lora: LoraConfig) -> nn.Module:
     """Freeze the model and put LoRA layers on its last `num_layers` layers."""
     from mlx_lm.tuner.utils import linear_to_lora_layers
 
+    check(model, lora)
     model.freeze()
     n = len(model.layers) if lora.num_layers < 0 else lora.num_layers
     linear_to_lora_layers(model, n, lora.parameters())
     return model
 
 
+def load_strict(model: nn.Module, weights: dict, source: str) -> None:
+    """Load adapter weights that must match the model's trainable parameters exactly: the same
+    names, the same shapes; a mismatch is refused, naming the first one."""
+    want = dict(tree_flatten(model.trainable_parameters()))
+    missing = sorted(set(want) - set(weights))
+    extra = sorted(set(weights) - set(want))
+    if missing or extra:
+        name = (missing or extra)[0]
+        why = "missing from it" if missing else "not a trainable parameter of this model"
+        raise PlanError(
+            f"{source}: adapter tensor {name} is {why} ({len(missing)} missing, "
+            f"{len(extra)} unexpected): it was trained with another LoRA layout or model"
+        )
+    for name, w in want.items():
+        if tuple(weights[name].shape) != tuple(w.shape):
+            raise PlanError(
+                f"{source}: adapter tensor {name} has shape {tuple(weights[name].shape)}, the "
+                f"model's is {tuple(w.shape)}: it was trained with another rank or model"
+            )
+    model.load_weights(list(weights.items()), strict=False)
+
+
 def dropout(model: nn.Module) -> float:
     """The largest dropout probability among the model's dropout layers (LoRA's), 0 if none."""
     return max((1.0 - m._p_1 for _, m in model.named_modules() if isinstance(m, nn.Dropout)),
                default=0.0)  # fmt: skip
-
-
-def atomic_write(path: Path, write) -> None:
-    """Write through `write(tmp_path)` into a temporary sibling, then rename over `path`."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix, dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def save(model: nn.Module, folder: Path, lora: LoraConfig) -> None:
@@ -69,5 +106,4 @@ def save(model: nn.Module, folder: Path, lora: LoraConfig) -> None:
         "num_layers": len(model.layers) if lora.num_layers < 0 else lora.num_layers,
         "lora_parameters": lora.parameters(),
     }
-    text = json.dumps(config, indent=2)
-    atomic_write(folder / "adapter_config.json", lambda p: Path(p).write_text(text))
+    write_text(folder / "adapter_config.json", json.dumps(config, indent=2))

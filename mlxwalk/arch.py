@@ -33,6 +33,7 @@ class Layout:
     state_shapes: tuple[tuple[tuple[int, ...], ...], ...]  # per recurrent layer, per state array
     state_dtypes: tuple[tuple[mx.Dtype, ...], ...]
     dtype: mx.Dtype  # the K/V the model computes
+    vocab: int  # token ids the model takes and predicts: [0, vocab)
 
     @property
     def attention(self) -> list[int]:
@@ -41,6 +42,11 @@ class Layout:
     @property
     def recurrent(self) -> list[int]:
         return [i for i, k in enumerate(self.kinds) if k == "recurrent"]
+
+    @property
+    def head_dims(self) -> tuple[int, ...]:
+        """Every attention layer's K and V head dimensions."""
+        return tuple(sorted({d for _, dk, dv in self.kv_shapes for d in (dk, dv)}))
 
     def footprint(self) -> Footprint:
         width = sum(h * (dk + dv) for h, dk, dv in self.kv_shapes)
@@ -76,7 +82,7 @@ def inspect(model: nn.Module) -> Layout:
             raise UnsupportedModel(
                 f"model type {name!r} uses a {type(c).__name__}, which the walk does not support"
             )
-    model(mx.array([[0]]), cache=caches)
+    logits = model(mx.array([[0]]), cache=caches)
     kinds, kv, shapes, dtypes, dtype = [], [], [], [], mx.float32
     for c in caches:
         if isinstance(c, KVCache):
@@ -87,7 +93,18 @@ def inspect(model: nn.Module) -> Layout:
             kinds.append("recurrent")
             shapes.append(tuple(tuple(a.shape) for a in c.cache))
             dtypes.append(tuple(a.dtype for a in c.cache))
-    return Layout(name, tuple(kinds), tuple(kv), tuple(shapes), tuple(dtypes), dtype)
+    vocab = min(logits.shape[-1], embedding_rows(model) or logits.shape[-1])
+    return Layout(name, tuple(kinds), tuple(kv), tuple(shapes), tuple(dtypes), dtype, vocab)
+
+
+def embedding_rows(model: nn.Module) -> int | None:
+    """Rows of the input embedding (an id at or past them reads memory out of bounds)."""
+    for name, m in model.named_modules():
+        if name.endswith("embed_tokens"):
+            rows = getattr(m, "num_embeddings", None)
+            weight = getattr(m, "weight", None)
+            return int(rows) if rows is not None else int(weight.shape[0])
+    return None
 
 
 @dataclass(frozen=True)

@@ -229,6 +229,14 @@ def ratios(rows: list[Measure], against: str = "one-graph") -> str:
     return f"ratios against {against} (time, peak):\n" + "\n".join(out)
 
 
+def random_bf16(p: mx.array) -> mx.array:
+    return (
+        (0.02 * mx.random.normal(p.shape)).astype(mx.bfloat16)
+        if p.ndim > 1
+        else p.astype(mx.bfloat16)
+    )
+
+
 # Realistic shapes with random weights, for the device measurements (scripts/bench-device,
 # scripts/profile-*); `small` shrinks every dimension to check a script on a CPU.
 SHAPES = {
@@ -246,12 +254,22 @@ SHAPES = {
         rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
                          "partial_rotary_factor": 0.25},
     ),
+    "qwen3_5-27b": dict(
+        model_type="qwen3_5", hidden_size=5120, num_hidden_layers=64, intermediate_size=17408,
+        num_attention_heads=24, num_key_value_heads=4, head_dim=256, vocab_size=248320,
+        rms_norm_eps=1e-6, max_position_embeddings=262144, tie_word_embeddings=False,
+        full_attention_interval=4, linear_num_key_heads=16, linear_num_value_heads=48,
+        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                         "partial_rotary_factor": 0.25},
+    ),
 }  # fmt: skip
 SMALL = dict(hidden_size=128, num_hidden_layers=4, intermediate_size=256, vocab_size=512)
 
 
-def shaped(name: str, small: bool = False):
-    """A random model of the named shape in bf16, with LoRA r8 on its last 16 layers."""
+def shaped(name: str, small: bool = False, bits: int | None = None):
+    """A random model of the named shape in bf16 (quantized to `bits`, layer by layer so the
+    bf16 copy never exists whole), with LoRA r8 on its last 16 layers."""
     import importlib
 
     from mlx.utils import tree_flatten, tree_map
@@ -275,16 +293,21 @@ def shaped(name: str, small: bool = False):
     arch = importlib.import_module(f"mlx_lm.models.{cfg['model_type']}")
     mx.random.seed(0)
     model = arch.Model(arch.ModelArgs.from_dict(cfg))
-    model.update(
-        tree_map(
-            lambda p: (
-                (0.02 * mx.random.normal(p.shape)).astype(mx.bfloat16)
-                if p.ndim > 1
-                else p.astype(mx.bfloat16)
-            ),
-            model.parameters(),
-        )
-    )
+
+    def randomize(module):
+        module.update(tree_map(random_bf16, module.parameters()))
+        if bits:
+            nn.quantize(module, group_size=64, bits=bits)
+        mx.eval(module.parameters())
+
+    for layer in model.layers:
+        randomize(layer)
+    rest = [(k, random_bf16(v)) for k, v in tree_flatten(model.parameters()) if ".layers." not in k]
+    model.load_weights(rest, strict=False)
+    if bits:
+        nn.quantize(model, group_size=64, bits=bits, class_predicate=lambda _, m: (
+            hasattr(m, "to_quantized") and not isinstance(m, (nn.QuantizedLinear,
+                                                              nn.QuantizedEmbedding))))  # fmt: skip
     adapters.apply(model, adapters.LoraConfig(rank=8, scale=20.0, num_layers=16))
     mx.eval(model.parameters())
     n = sum(v.size for _, v in tree_flatten(model.parameters()))

@@ -1,11 +1,12 @@
 """Memory an exact walk needs, estimated before a window's arrays exist, and the admission check.
 
-Two budgets, after the reference system:
-  device: one chunk's graph plus the K/V store (the working set of the reverse pass);
-  host:   the K/V gradient accumulators plus the recurrent checkpoints (sized by the plan).
-On Apple Silicon both live in the same unified memory; they are kept apart because they answer
-different questions (how long a chunk, how long a window). The model's weights and the adapter's
-state come on top of both and are reported beside them.
+Two budgets:
+  memory (device): everything MLX holds while a window trains, as its peak-memory counter sees it:
+          the weights, the adapter and its optimizer state, the K/V store, the accumulators and
+          checkpoints, and one chunk's graph. MLX keeps all of them in one memory (unified on
+          Apple Silicon, the GPU's on CUDA), so this is the number that has to fit.
+  host:   the K/V gradient accumulators plus the recurrent checkpoints (sized by the plan); within
+          a memory budget and unless given, it is what the rest leaves over.
 
 A chunk graph's activations are measured once per model and chunk size on a probe (a window of
 one chunk, then one whose last chunk taps a prefix two attention tiles long), since they depend on
@@ -15,6 +16,7 @@ taps' gradient) is computed from the layout and the probe's slope in the tapped 
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -44,9 +46,11 @@ class Estimate:
     accumulators: int
     checkpoints: int
     graph: int
+    resident: int = 0  # what else MLX holds when the walk starts (measured at its start)
 
     @property
     def device(self) -> int:
+        """What one chunk's reverse step works on: its graph and the K/V store."""
         return self.graph + self.store
 
     @property
@@ -55,12 +59,13 @@ class Estimate:
 
     @property
     def total(self) -> int:
-        return self.weights + self.adapter + self.device + self.host
+        return self.weights + self.adapter + self.resident + self.device + self.host
 
     def lines(self) -> list[str]:
         return [
             f"  weights            {mib(self.weights):>12}",
             f"  adapter + state    {mib(self.adapter):>12}",
+            *([f"  other arrays       {mib(self.resident):>12}"] if self.resident else []),
             f"  device: graph      {mib(self.graph):>12}   (one chunk, at the last chunk's taps)",
             f"  device: K/V store  {mib(self.store):>12}",
             f"  host: accumulators {mib(self.accumulators):>12}",
@@ -110,20 +115,27 @@ def estimate(
     )
 
 
-WHAT_FITS = "a smaller chunk, a horizon, or an 8-bit cache (--cache-type q8) would need less"
+def what_fits(layout, cache_type: str) -> str:
+    """What would need less memory, for a refusal: q8 only where the model's heads allow it."""
+    offers = ["a shorter window", "a smaller chunk"]
+    if cache_type != "q8" and kvstore.q8_fits(layout.head_dims):
+        offers.append("an 8-bit cache (--cache-type q8)")
+    return f"{', '.join(offers[:-1])} or {offers[-1]} would need less"
 
 
-def admit(est: Estimate, device_budget: int | None, what_fits: str = WHAT_FITS) -> None:
-    """Refuse, naming device memory, when one chunk's graph and the store exceed the budget."""
-    if device_budget is not None and est.device > device_budget:
+def admit(est: Estimate, budget_bytes: int | None, what: str) -> None:
+    """Refuse, naming device memory and each part, when the walk's memory exceeds the budget."""
+    if budget_bytes is not None and est.total > budget_bytes:
         raise OutOfMemory(
-            f"device memory: one chunk's graph and the K/V store need {mib(est.device)} "
-            f"(graph {mib(est.graph)}, store {mib(est.store)}) but the device budget is "
-            f"{mib(device_budget)}; {what_fits}"
+            f"device memory: the walk needs {mib(est.total)} at least (weights "
+            f"{mib(est.weights)}, adapter and optimizer {mib(est.adapter)}, K/V store "
+            f"{mib(est.store)}, accumulators {mib(est.accumulators)}, checkpoints "
+            f"{mib(est.checkpoints)}, one chunk's graph {mib(est.graph)}) but the memory budget "
+            f"is {mib(budget_bytes)}; {what}"
         )
 
 
-_probes: dict[tuple[int, int, bool], Activations] = {}
+_probes: dict[tuple[int, int, bool], tuple[weakref.ref, Activations]] = {}
 
 
 def probe(model, chunk: int, recompute: bool = False) -> Activations:
@@ -131,13 +143,15 @@ def probe(model, chunk: int, recompute: bool = False) -> Activations:
     whose last chunk taps a prefix two attention tiles long. Cached per model, chunk and
     recompute (a model is keyed by identity: a probe belongs to the model object it measured)."""
     key = (id(model), chunk, recompute)
-    if key not in _probes:
+    ref, acts = _probes.get(key, (None, None))
+    if ref is None or ref() is not model:  # an id is reused once its model is gone
         from . import arch
         from .walk import window_gradient
 
         layout = arch.inspect(model)
         width = layout.footprint().kv_width
-        ids = np.random.default_rng(0).integers(0, 256, chunk * (2 + 2 * TILE // chunk) + 1)
+        n_ids = chunk * (2 + 2 * TILE // chunk) + 1
+        ids = np.random.default_rng(0).integers(0, layout.vocab, n_ids)  # ids the model has
 
         def graph(n):  # the walk's peak less the store and accumulators of n positions
             peak = live_peak(
@@ -150,8 +164,9 @@ def probe(model, chunk: int, recompute: bool = False) -> Activations:
         far = chunk * -(-2 * TILE // chunk)  # taps well past one attention tile
         one, two = graph(chunk), graph(chunk + far)
         extra = two - one
-        _probes[key] = Activations(chunk, one, max(0.0, extra / (far * width * 4)))
-    return _probes[key]
+        acts = Activations(chunk, one, max(0.0, extra / (far * width * 4)))
+        _probes[key] = (weakref.ref(model), acts)
+    return acts
 
 
 def live_peak(fn) -> int:
@@ -170,4 +185,4 @@ def live_peak(fn) -> int:
         mx.set_memory_limit(previous)
 
 
-__all__ = ["Activations", "Estimate", "MIB", "admit", "estimate", "live_peak", "probe"]
+__all__ = ["Activations", "Estimate", "MIB", "admit", "estimate", "live_peak", "probe", "what_fits"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from . import tiny
@@ -55,8 +56,23 @@ def parser() -> argparse.ArgumentParser:
     p_plan.add_argument("--host-budget-mib", type=float)
     p_plan.add_argument("--rank", type=int, default=8)
     p_plan.add_argument("--num-layers", type=int, default=16)
+    p_plan.add_argument("--recompute", action="store_true")
     p_plan.set_defaults(run=_plan)
     return p
+
+
+def on_sigterm(*_) -> None:
+    raise KeyboardInterrupt  # a kill is handled like Ctrl-C: what was trained is saved
+
+
+def fail(prog: str, e: BaseException) -> int:
+    """A refusal or failure as one line on stderr and exit 2; an interruption as one line, 130."""
+    if isinstance(e, KeyboardInterrupt):
+        how = f" {e.args[0]}" if e.args else ""
+        print(f"{prog}: interrupted{how}", file=sys.stderr)
+        return 130
+    print(f"{prog}: error: {(str(e).splitlines() or [type(e).__name__])[0]}", file=sys.stderr)
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,14 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser().print_help()
         return 2
+    signal.signal(signal.SIGTERM, on_sigterm)
     try:
         return args.run(args)
-    except (ValueError, FileNotFoundError, OSError) as e:
-        print(f"mlxwalk: error: {(str(e).splitlines() or [type(e).__name__])[0]}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("mlxwalk: interrupted", file=sys.stderr)
-        return 130
+    except (ValueError, FileNotFoundError, OSError, KeyboardInterrupt) as e:
+        return fail("mlxwalk", e)
 
 
 if __name__ == "__main__":

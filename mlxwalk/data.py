@@ -8,18 +8,26 @@ Formats (one JSON object per line, in `train.jsonl` and optionally `valid.jsonl`
 Chat is rendered through the tokenizer's chat template, prefix by prefix, to find each message's
 tokens; a template whose rendering of a prefix is not a prefix of the whole is refused.
 An example longer than the window is cut (`fit`: "left" keeps its start, "middle" keeps its start
-and its end and drops the middle); one left with no labelled token is skipped. Both are counted.
+and its end and drops the middle). A row with no labelled token is skipped; an example that loses
+all its labels to the cut is cut away. All three are counted, with the rows' file:line.
+
+A bad row is refused with a one-line `DataError` that starts with its `file:line:`; whatever the
+tokenizer or chat template raise on a row is turned into one.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 FITS = ("left", "middle")
+ROLES = ("system", "developer", "user", "assistant", "tool")
+QUOTE_LIMIT = 200  # characters of an underlying error message kept in a DataError
 
 
 class DataError(ValueError):
@@ -30,6 +38,7 @@ class DataError(ValueError):
 class Example:
     ids: list[int]  # n + 1 tokens: inputs are ids[:-1], targets ids[1:]
     labels: list[float]  # per token: 1 if the model is trained to produce it
+    where: str = ""  # file:line of its row
 
     @property
     def inputs(self) -> np.ndarray:
@@ -45,73 +54,183 @@ class Example:
 
     @property
     def trainable(self) -> int:
-        return int(sum(1 for w in self.labels[1:] if w > 0))
+        return int(np.count_nonzero(np.asarray(self.labels[1:], np.float32) > 0))
 
     def __len__(self) -> int:
-        return len(self.ids) - 1
+        return max(len(self.ids) - 1, 0)  # an empty rendering has no position, not -1
 
 
 @dataclass
 class Dataset:
     examples: list[Example]
-    skipped: int = 0  # no labelled token
-    truncated: int = 0
+    skipped: int = 0  # rows with no labelled token
+    truncated: int = 0  # examples cut to the window
     source: str = ""
+    cut_away: int = 0  # examples whose every label fell outside the window when cut
+    skipped_where: list[str] = field(default_factory=list)  # file:line of each, to name a few
+    cut_away_where: list[str] = field(default_factory=list)
 
     @property
     def trainable_tokens(self) -> int:
         return sum(e.trainable for e in self.examples)
 
+    def skip(self, example: Example) -> None:
+        self.skipped += 1
+        self.skipped_where.append(example.where)
+
     def fitted(self, window: int, how: str = "left") -> Dataset:
-        """Every example cut to `window` positions (`fit`); one left with no label is skipped."""
-        out = Dataset([], self.skipped, self.truncated, self.source)
+        """Every example cut to `window` positions (`fit`); one left with no label is cut away."""
+        out = Dataset(
+            [], self.skipped, self.truncated, self.source, self.cut_away,
+            list(self.skipped_where), list(self.cut_away_where),
+        )  # fmt: skip
         for example in self.examples:
+            if example.trainable == 0:  # had none to begin with (a hand-made Dataset)
+                out.skip(example)
+                continue
             example, cut = fit(example, window, how)
             out.truncated += cut
             if example.trainable == 0:
-                out.skipped += 1
+                out.cut_away += 1
+                out.cut_away_where.append(example.where)
             else:
                 out.examples.append(example)
         return out
 
+    def check_ids(self, vocab: int) -> None:
+        """Refuse the first example holding a token id the model has no embedding for."""
+        for example in self.examples:
+            ids = np.asarray(example.ids, np.int64)
+            bad = (ids < 0) | (ids >= vocab)
+            if bad.any():
+                i = int(ids[int(bad.argmax())])
+                raise DataError(
+                    f"{example.where or self.source}: token id {i} is outside the model's "
+                    f"vocabulary of {vocab} ids (is the tokenizer the model's own?)"
+                )
+
+
+def _one_line(text: str, limit: int = QUOTE_LIMIT) -> str:
+    """Whitespace collapsed, cut to `limit`, lone surrogates escaped so it can be printed."""
+    text = " ".join(text.split())
+    if len(text) > limit:
+        text = text[: limit - 1] + "…"
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _quote(error: BaseException) -> str:
+    message = str(error)
+    return _one_line(f"{type(error).__name__}: {message}" if message else type(error).__name__)
+
+
+def _show(value: object) -> str:
+    try:
+        return _one_line(repr(value), 60)
+    except RecursionError:  # a value nested nearly as deep as json.loads allows
+        return _kind(value)
+
+
+def _kind(value: object) -> str:
+    """A JSON value's type, in JSON's words."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    return "an array" if isinstance(value, list) else "an object"
+
+
+@contextmanager
+def _naming(where: str, what: str) -> Iterator[None]:
+    """Whatever the tokenizer or template raise on a row becomes a one-line DataError naming it."""
+    try:
+        yield
+    except DataError:
+        raise
+    except Exception as e:  # jinja2, TypeError, RecursionError, ...: the row is at fault
+        raise DataError(f"{where}: {what} ({_quote(e)})") from e
+
+
+def _decode(raw: bytes, path: Path, number: int) -> str:
+    try:
+        return raw.decode("utf-8-sig" if number == 1 else "utf-8")  # a BOM may open the file
+    except UnicodeDecodeError as e:
+        at = e.start + len(raw) - len(e.object)  # utf-8-sig reports offsets past the BOM
+        raise DataError(
+            f"{path}:{number}: not valid UTF-8 (byte 0x{raw[at]:02x} at byte {at + 1} of the line)"
+        ) from None
+
+
+def _parse(line: str, path: Path, number: int) -> dict:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}:{number}: not valid JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:
+        raise DataError(f"{path}:{number}: not valid JSON (nested too deeply)") from None
+    except ValueError as e:  # e.g. an integer of more digits than Python converts
+        raise DataError(f"{path}:{number}: not valid JSON ({_quote(e)})") from None
+    if not isinstance(row, dict):
+        raise DataError(f"{path}:{number}: expected a JSON object")
+    return row
+
 
 def read_jsonl(path: Path) -> list[dict]:
+    return [row for _, row in numbered_rows(path)]
+
+
+def numbered_rows(path: Path) -> list[tuple[int, dict]]:
+    """(line number, row) of each non-blank line; read as bytes so bad UTF-8 is named by line."""
+    try:
+        with open(path, "rb") as f:
+            lines = f.read().split(b"\n")
+    except OSError as e:
+        raise DataError(f"{path}: cannot be read ({e.strerror or _quote(e)})") from None
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{number}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{path}:{number}: expected a JSON object")
-            rows.append(row)
+    for number, raw in enumerate(lines, 1):
+        line = _decode(raw, path, number)
+        if line.strip():
+            rows.append((number, _parse(line, path, number)))
     return rows
 
 
-def _encode(tokenizer, text: str) -> list[int]:
-    return list(tokenizer.encode(text, add_special_tokens=False))
+def _encode(tokenizer, text: str, where: str) -> list[int]:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:  # tokenizers fail on these with an unhelpful TypeError
+        raise DataError(
+            f"{where}: holds an unpaired surrogate {_show(e.object[e.start])}, which is not "
+            "valid Unicode (JSON escapes \\ud800-\\udfff must come in pairs)"
+        ) from None
+    with _naming(where, "the tokenizer failed"):
+        return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
 
 
-def _render(tokenizer, messages, tools, generation_prompt=False) -> list[int]:
-    text = tokenizer.apply_chat_template(
-        messages, tools=tools or None, tokenize=False, add_generation_prompt=generation_prompt
-    )
-    return _encode(tokenizer, text)
+def _render(tokenizer, messages, tools, where: str, generation_prompt: bool = False) -> list[int]:
+    with _naming(where, "the chat template failed"):
+        text = tokenizer.apply_chat_template(
+            messages, tools=tools or None, tokenize=False, add_generation_prompt=generation_prompt
+        )
+    if not isinstance(text, str):
+        raise DataError(f"{where}: the chat template gave {_kind(text)}, not text")
+    return _encode(tokenizer, text, where)
 
 
 def chat_example(tokenizer, messages: list[dict], tools=None, where: str = "") -> Example:
     """Token ids of the whole conversation; each trainable assistant turn labelled."""
+    if not messages:  # nothing to render or train on: skipped, like any unlabelled row
+        return Example([], [], where)
     clean = [{k: v for k, v in m.items() if k != "train"} for m in messages]
-    ids = _render(tokenizer, clean, tools)
+    ids = _render(tokenizer, clean, tools, where)
     labels = [0.0] * len(ids)
     for i, m in enumerate(messages):
         if m.get("role") != "assistant" or m.get("train", True) is False:
             continue
-        head = _render(tokenizer, clean[:i], tools, generation_prompt=True) if i else []
-        upto = _render(tokenizer, clean[: i + 1], tools)
+        head = _render(tokenizer, clean[:i], tools, where, generation_prompt=True) if i else []
+        upto = _render(tokenizer, clean[: i + 1], tools, where)
         if ids[: len(upto)] != upto or upto[: len(head)] != head:
             raise DataError(
                 f"{where}: the chat template does not render prefix-stably (the conversation up "
@@ -119,50 +238,83 @@ def chat_example(tokenizer, messages: list[dict], tools=None, where: str = "") -
             )
         for t in range(len(head), len(upto)):
             labels[t] = 1.0
-    return Example(ids, labels)
+    return Example(ids, labels, where)
+
+
+def _check_message(m: object, i: int, where: str) -> None:
+    if not isinstance(m, dict):
+        raise DataError(f"{where}: message {i} must be an object with a 'role'; got {_kind(m)}")
+    if "role" not in m:
+        raise DataError(f"{where}: message {i} has no 'role'")
+    if m["role"] not in ROLES:  # a typo such as "assistnat" would otherwise train on nothing
+        raise DataError(
+            f"{where}: message {i} has role {_show(m['role'])}; expected one of {', '.join(ROLES)}"
+        )
+    calls = m.get("tool_calls")
+    if calls is not None and not (
+        isinstance(calls, list) and all(isinstance(c, dict) for c in calls)
+    ):
+        raise DataError(f"{where}: message {i} 'tool_calls' must be a list of objects")
+    content = m.get("content")
+    if not isinstance(content, str) and not (content is None and calls):
+        got = "it has none" if "content" not in m else f"got {_kind(content)}"
+        raise DataError(
+            f"{where}: message {i} 'content' must be a string (or null when the message has "
+            f"'tool_calls'); {got}"
+        )
+    if "train" in m and not isinstance(m["train"], bool):
+        raise DataError(
+            f"{where}: message {i} 'train' must be true or false; got {_show(m['train'])}"
+        )
 
 
 def _check_row(row: dict, where: str) -> None:
     """The fields' types, so a bad row is named by file and line rather than failing deep."""
     for key in ("text", "prompt", "completion"):
         if key in row and not isinstance(row[key], str):
-            raise DataError(f"{where}: {key!r} must be a string")
+            raise DataError(f"{where}: {key!r} must be a string; got {_kind(row[key])}")
     if "messages" in row:
-        msgs = row["messages"]
-        if not isinstance(msgs, list) or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) for m in msgs
-        ):
+        if not isinstance(row["messages"], list):
             raise DataError(f"{where}: 'messages' must be a list of objects with a 'role'")
-    if "tools" in row and row["tools"] is not None and not isinstance(row["tools"], list):
-        raise DataError(f"{where}: 'tools' must be a list")
+        for i, m in enumerate(row["messages"]):
+            _check_message(m, i, where)
+    tools = row.get("tools")
+    if tools is not None and not (
+        isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
+    ):
+        raise DataError(f"{where}: 'tools' must be a list of objects")
+
+
+def _completion_example(tokenizer, row: dict, where: str, mask_prompt: bool) -> Example:
+    if getattr(tokenizer, "chat_template", None):
+        msgs = [
+            {"role": "user", "content": row["prompt"]},
+            {"role": "assistant", "content": row["completion"], "train": True},
+        ]
+        ex = chat_example(tokenizer, msgs, None, where)
+        if not mask_prompt:
+            ex.labels = [1.0] * len(ex.labels)
+        return ex
+    prompt = _encode(tokenizer, row["prompt"], where)
+    completion = _encode(tokenizer, row["completion"], where)
+    labels = [0.0 if mask_prompt else 1.0] * len(prompt) + [1.0] * len(completion)
+    return Example(prompt + completion, labels, where)
 
 
 def to_example(tokenizer, row: dict, where: str, mask_prompt: bool = True) -> Example:
-    _check_row(row, where)
-    if "messages" in row:
-        return chat_example(tokenizer, row["messages"], row.get("tools"), where)
-    if "prompt" in row and "completion" in row:
-        if getattr(tokenizer, "chat_template", None):
-            msgs = [
-                {"role": "user", "content": row["prompt"]},
-                {"role": "assistant", "content": row["completion"], "train": True},
-            ]
-            ex = chat_example(tokenizer, msgs, None, where)
-            if not mask_prompt:
-                ex.labels = [1.0] * len(ex.labels)
-            return ex
-        prompt, completion = (
-            _encode(tokenizer, row["prompt"]),
-            _encode(tokenizer, row["completion"]),
-        )
-        labels = [0.0 if mask_prompt else 1.0] * len(prompt) + [1.0] * len(completion)
-        return Example(prompt + completion, labels)
-    if "text" in row:
-        ids = _encode(tokenizer, row["text"])
-        eos = getattr(tokenizer, "eos_token_id", None)
-        if eos is not None:
-            ids.append(eos)
-        return Example(ids, [1.0] * len(ids))
+    """The row's tokens and labels; a bad row raises a one-line DataError starting `where:`."""
+    with _naming(where, "could not be turned into an example"):  # a failure not named below
+        _check_row(row, where)
+        if "messages" in row:
+            return chat_example(tokenizer, row["messages"], row.get("tools"), where)
+        if "prompt" in row and "completion" in row:
+            return _completion_example(tokenizer, row, where, mask_prompt)
+        if "text" in row:
+            ids = _encode(tokenizer, row["text"], where)
+            eos = getattr(tokenizer, "eos_token_id", None)
+            if eos is not None:
+                ids.append(eos)
+            return Example(ids, [1.0] * len(ids), where)
     raise DataError(f"{where}: expected 'text', 'prompt' and 'completion', or 'messages'")
 
 
@@ -172,11 +324,12 @@ def fit(example: Example, window: int, how: str) -> tuple[Example, bool]:
         return example, False
     keep = window + 1
     if how == "left":
-        return Example(example.ids[:keep], example.labels[:keep]), True
+        return Example(example.ids[:keep], example.labels[:keep], example.where), True
     head = keep // 2
     tail = keep - head
     ids = example.ids[:head] + example.ids[-tail:]
-    return Example(ids, example.labels[:head] + example.labels[-tail:]), True
+    labels = example.labels[:head] + example.labels[-tail:]
+    return Example(ids, labels, example.where), True
 
 
 def load(
@@ -189,12 +342,11 @@ def load(
 ) -> Dataset:
     """`split`.jsonl of `folder` as windows; window None keeps every example whole."""
     path = Path(folder) / f"{split}.jsonl"
-    rows = read_jsonl(path)
     data = Dataset([], source=str(path))
-    for number, row in enumerate(rows, 1):
+    for number, row in numbered_rows(path):
         ex = to_example(tokenizer, row, f"{path}:{number}", mask_prompt)
         if len(ex) < 1 or ex.trainable == 0:
-            data.skipped += 1
+            data.skip(ex)
         else:
             data.examples.append(ex)
     return data if window is None else data.fitted(window, how)

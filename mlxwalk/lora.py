@@ -10,11 +10,16 @@ mlx-lm's adapter files. Adds the walk's options (--walk, --chunk, --horizon, --c
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import sys
 import types
 from pathlib import Path
 
+from . import arch
 from .plan import PlanError
+from .store import check_cache_type
+from .walk import WalkConfig
 
 MLX_LM_FLAGS = {  # flag: (type, default)
     "model": (str, None),
@@ -45,6 +50,7 @@ MLX_LM_FLAGS = {  # flag: (type, default)
     "trust_remote_code": (bool, False),  # accepted; models load from local folders only
 }
 WALK_FLAGS = {
+    "overwrite": (bool, False),  # replace an adapter already in adapter_path
     "walk": (str, "exact"),
     "chunk": (int, 512),
     "horizon": (int, 0),
@@ -83,7 +89,7 @@ def options(argv: list[str] | None) -> types.SimpleNamespace:
 
 def typed(values: dict) -> dict:
     """A YAML config's values as the flags' types (YAML reads 1e-5 as a string), or a refusal."""
-    from .run import coerce
+    from .config import coerce
 
     kinds = {**MLX_LM_FLAGS, **WALK_FLAGS}
     out = dict(values)
@@ -95,6 +101,11 @@ def typed(values: dict) -> dict:
 
 
 def refuse(o) -> None:
+    """What the walk can't honour, or values that make no sense, each named by its flag."""
+    from .config import at_least, positive
+
+    if not (o.train or o.test):
+        raise PlanError("give --train, --test or both")
     if o.fine_tune_type != "lora":
         raise PlanError(f"fine-tune-type {o.fine_tune_type!r}: the walk trains LoRA adapters only")
     if o.optimizer not in ("adam", "adamw", "sgd"):
@@ -105,6 +116,64 @@ def refuse(o) -> None:
         raise PlanError("--model is required")
     if o.walk not in ("exact", "plain"):
         raise PlanError(f"walk {o.walk!r} cannot train; choose exact or plain")
+    for name in ("iters", "num_layers", "steps_per_report", "steps_per_eval", "save_every",
+                 "max_seq_length", "chunk"):  # fmt: skip
+        at_least(name, getattr(o, name), 1)
+    at_least("horizon", o.horizon, 0, " (0 = the whole window)")
+    for name in ("val_batches", "test_batches"):
+        if getattr(o, name) == 0 or getattr(o, name) < -1:
+            raise PlanError(f"--{name.replace('_', '-')} must be at least 1 (or -1 for all)")
+    positive("learning_rate", o.learning_rate)
+    lp = o.lora_parameters
+    if not isinstance(lp, dict) or not isinstance(lp.get("rank"), int) or lp["rank"] < 1:
+        raise PlanError(f"lora_parameters: rank must be an integer of at least 1, got {lp!r}")
+    if not 0 <= float(lp.get("dropout", 0.0)) < 1:
+        raise PlanError(f"lora_parameters: dropout must be in [0, 1), got {lp.get('dropout')}")
+
+
+def claim(o) -> None:
+    """A training run never replaces another's adapter unless asked to, or continuing it."""
+    folder = Path(o.adapter_path)
+    held = [n for n in ("adapters.safetensors", "adapter_config.json") if (folder / n).exists()]
+    resuming = o.resume_adapter_file and Path(o.resume_adapter_file).resolve().parent == (
+        folder.resolve()
+    )
+    if held and not (o.overwrite or resuming):
+        raise PlanError(
+            f"adapter path {folder} holds an adapter already ({', '.join(held)}); pass "
+            f"--overwrite to replace it, --resume-adapter-file {folder / 'adapters.safetensors'} "
+            "to continue it, or another --adapter-path"
+        )
+
+
+def load_adapter(model, folder: str) -> None:
+    """The adapter under test, as mlx-lm builds it from adapter_config.json, loaded strictly."""
+    import mlx.core as mx
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    from .adapters import load_strict
+
+    path = Path(folder)
+    for name in ("adapter_config.json", "adapters.safetensors"):
+        if not (path / name).exists():
+            raise PlanError(f"adapter path {path} has no {name} to test (train one with --train, "
+                            "or give --adapter-path '' to test the base model)")  # fmt: skip
+    config = json.loads((path / "adapter_config.json").read_text())
+    model.freeze()
+    linear_to_lora_layers(model, config["num_layers"], config["lora_parameters"])
+    load_strict(model, mx.load(str(path / "adapters.safetensors")), str(path))
+    print(f"Testing the adapter in {path} (rank {config['lora_parameters']['rank']}, "
+          f"{config['num_layers']} layers)", flush=True)  # fmt: skip
+
+
+def announce_cuts(dataset, max_seq_length: int) -> None:
+    """mlx-lm warns when items are longer than max_seq_length; so does the walk, with counts."""
+    lengths = [len(dataset[i][0]) for i in range(len(dataset))]
+    long = [n for n in lengths if n > max_seq_length]
+    if long:
+        print(f"[WARNING] {len(long)} of {len(lengths)} training items are longer than "
+              f"max_seq_length ({max_seq_length}) and are cut to it (the longest has "
+              f"{max(long)} tokens); raise --max-seq-length to keep them", flush=True)  # fmt: skip
 
 
 class PrintCallback:
@@ -123,58 +192,89 @@ class PrintCallback:
 
 def run(o) -> None:
     import mlx.core as mx
-    import mlx.optimizers as optim
+    import numpy as np
     from mlx_lm.tuner.datasets import CacheDataset, load_dataset
-    from mlx_lm.tuner.trainer import TrainingArgs
-    from mlx_lm.tuner.utils import build_schedule, linear_to_lora_layers
-    from mlx_lm.utils import save_config
 
     from . import models, trainer
-    from .walk import WalkConfig
 
     refuse(o)
     walk_config = WalkConfig(chunk=o.chunk, horizon=o.horizon, cache_type=o.cache_type,
                              recompute=bool(o.grad_checkpoint), host_budget_mib=o.host_budget_mib,
                              memory_budget_mib=o.memory_budget_mib).check()  # fmt: skip
-    trainer.check(
-        types.SimpleNamespace(
-            batch_size=o.batch_size, grad_accumulation_steps=o.grad_accumulation_steps
-        )
-    )
+    trainer.check(o)
+    if o.train:
+        claim(o)
     mx.random.seed(o.seed)
+    np.random.seed(o.seed)  # the data order, as in mlx-lm
     model, tokenizer = models.load(o.model)
+    check_cache_type(o.cache_type, arch.inspect(model).head_dims)
     train_set, valid_set, test_set = load_dataset(o, tokenizer)
-    model.freeze()
-    linear_to_lora_layers(model, o.num_layers, o.lora_parameters)
-    if o.resume_adapter_file:
-        model.load_weights(o.resume_adapter_file, strict=False)
-    adapter_path = Path(o.adapter_path)
-    adapter_path.mkdir(parents=True, exist_ok=True)
-    save_config({**vars(o), "fine_tune_type": "lora"}, adapter_path / "adapter_config.json")
-    args = TrainingArgs(
+    args = training_args(o)
+    if o.train:
+        train(o, model, CacheDataset(train_set), CacheDataset(valid_set), args, walk_config)
+    elif o.adapter_path:
+        load_adapter(model, o.adapter_path)
+    else:
+        print("Testing the base model (no adapter)", flush=True)
+    if o.test:
+        loss = trainer.evaluate(model, CacheDataset(test_set), args, walk_config, o.test_batches)
+        print(f"Test loss {loss:.3f}, Test ppl {math.exp(loss):.3f}.", flush=True)
+
+
+def training_args(o):
+    from mlx_lm.tuner.trainer import TrainingArgs
+
+    return TrainingArgs(
         batch_size=1, iters=o.iters, val_batches=o.val_batches,
         steps_per_report=o.steps_per_report, steps_per_eval=o.steps_per_eval,
-        steps_per_save=o.save_every, adapter_file=str(adapter_path / "adapters.safetensors"),
+        steps_per_save=o.save_every,
+        adapter_file=str(Path(o.adapter_path) / "adapters.safetensors"),
         max_seq_length=o.max_seq_length, grad_checkpoint=bool(o.grad_checkpoint),
     )  # fmt: skip
+
+
+def train(o, model, train_set, valid_set, args, walk_config) -> None:
+    import mlx.optimizers as optim
+    from mlx_lm.tuner.utils import build_schedule, linear_to_lora_layers
+
+    from . import adapters, trainer
+
+    model.freeze()
+    if o.num_layers > len(model.layers):
+        raise PlanError(f"--num-layers {o.num_layers} exceeds the model's {len(model.layers)} "
+                        "layers")  # fmt: skip
+    lora = adapters.LoraConfig(o.lora_parameters["rank"], o.lora_parameters.get("scale", 20.0),
+                               o.lora_parameters.get("dropout", 0.0), o.num_layers,
+                               o.lora_parameters.get("keys"))  # fmt: skip
+    adapters.check(model, lora)
+    linear_to_lora_layers(model, o.num_layers, o.lora_parameters)
+    if o.resume_adapter_file:
+        import mlx.core as mx
+
+        file = Path(o.resume_adapter_file)
+        if not file.is_file():
+            raise PlanError(f"--resume-adapter-file {file} does not exist")
+        adapters.load_strict(model, mx.load(str(file)), str(file))
+        print(f"Loading fine-tuned weights from {file}", flush=True)
+    announce_cuts(train_set, o.max_seq_length)
     lr = build_schedule(o.lr_schedule) if o.lr_schedule else o.learning_rate
     opt = {"adam": optim.Adam, "adamw": optim.AdamW, "sgd": optim.SGD}[o.optimizer]
     optimizer = opt(learning_rate=lr, **o.optimizer_config.get(o.optimizer, {}))
-    if o.train:
-        trainer.train(model, optimizer, CacheDataset(train_set), CacheDataset(valid_set), args,
-                      PrintCallback(), walk=o.walk, walk_config=walk_config)  # fmt: skip
-    if o.test:
-        loss = trainer.evaluate(model, CacheDataset(test_set), args, walk_config, o.test_batches)
-        print(f"Test loss {loss:.3f}")
+    config = {**{k: v for k, v in vars(o).items() if k != "overwrite"}, "fine_tune_type": "lora"}
+    trainer.train(model, optimizer, train_set, valid_set, args, PrintCallback(), walk=o.walk,
+                  walk_config=walk_config, adapter_config=config)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
+    import signal
+
+    from .cli import fail, on_sigterm
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     try:
         run(options(argv))
-    except (ValueError, FileNotFoundError, OSError) as e:
-        print(f"mlxwalk.lora: error: {(str(e).splitlines() or [type(e).__name__])[0]}",
-              file=sys.stderr)  # fmt: skip
-        return 2
+    except (ValueError, FileNotFoundError, OSError, KeyboardInterrupt) as e:
+        return fail("mlxwalk.lora", e)
     return 0
 
 

@@ -38,3 +38,24 @@ def load(model: str, adapter_path: str | None = None):
     import mlx_lm
 
     return mlx_lm.load(str(resolve(model)), adapter_path=adapter_path)
+
+
+def fingerprint(model) -> str:
+    """A short hash of the model's weights: every parameter's name, shape and dtype, and 64 of its
+    values at evenly spaced positions. Cheap at any size, and two checkpoints of one architecture
+    (the same names and shapes) tell apart. Taken before adapters are applied."""
+    import hashlib
+
+    import mlx.core as mx
+    import numpy as np
+    from mlx.utils import tree_flatten
+
+    h = hashlib.sha256()
+    for name, v in sorted(tree_flatten(model.parameters()), key=lambda kv: kv[0]):
+        h.update(f"{name}:{tuple(v.shape)}:{v.dtype};".encode())
+        flat = v.reshape(-1)
+        picks = flat[mx.array(np.linspace(0, flat.size - 1, min(64, flat.size)).astype(np.int64))]
+        if picks.dtype == mx.bfloat16:
+            picks = picks.view(mx.uint16)
+        h.update(np.asarray(picks).tobytes())
+    return h.hexdigest()[:16]

@@ -7,8 +7,8 @@ import argparse
 from dataclasses import fields
 from pathlib import Path
 
+from .config import TrainConfig
 from .plan import PlanError
-from .run import TrainConfig
 
 FLAGS = {  # name: (type, help); booleans are store_true
     "model": (str, "a model folder, a bundled model, or a hub id in the local cache"),
@@ -19,7 +19,7 @@ FLAGS = {  # name: (type, help); booleans are store_true
     "horizon": (int, "prefix positions each chunk sends gradient to (0 = the whole window)"),
     "cache_type": (str, "K/V store: float32, float16, bfloat16 or q8"),
     "host_budget_mib": (float, "accumulators + checkpoints"),
-    "memory_budget_mib": (float, "one chunk's graph + the K/V store"),
+    "memory_budget_mib": (float, "all the run holds in MLX's memory: refused or held to it"),
     "recompute": (bool, "activation checkpointing inside each chunk's graph"),
     "epochs": (int, "passes over the training windows"),
     "iters": (int, "stop after this many windows"),
@@ -33,7 +33,9 @@ FLAGS = {  # name: (type, help); booleans are store_true
     "seed": (int, "random seed"),
     "adapter_path": (str, "folder for the adapter, checkpoints and report"),
     "save_every": (int, "windows between checkpoints (0 = each epoch's end)"),
-    "resume": (bool, "continue from the newest checkpoint in the adapter path"),
+    "resume": (bool, "continue the run in the adapter path from its newest checkpoint"),
+    "overwrite": (bool, "replace another run in the adapter path"),
+    "on_nan": (str, "a NaN or infinite loss or gradient: stop (default) or skip the window"),
     "val_split": (float, "fraction of train.jsonl held out when there is no valid.jsonl"),
     "fit": (str, "an over-long example keeps its left part, or its start and end (middle)"),
     "follow_runs": (bool, "no chunk crosses a change of label (the plan's strict rule)"),

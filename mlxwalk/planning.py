@@ -3,12 +3,11 @@ training. The window is taken fully labelled (the most positions computed)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 
 from . import adapters, arch, budget
 from .plan import OutOfMemory, mib
+from .store import check_cache_type
 from .walk import ExactWalk, WalkConfig, Window
 
 
@@ -20,41 +19,51 @@ def report(model, name: str, window: int, config: WalkConfig, echo=print) -> boo
          f"{len(layout.recurrent)} recurrent), window {window}, chunk {config.chunk}, "
          f"horizon {horizon}, cache {config.cache_type}")  # fmt: skip
     ones = np.ones(window)
-    try:
-        walk = ExactWalk(
-            model, Window.of(ones, ones, ones), replace(config, memory_budget_mib=None)
-        )
+    try:  # with a memory budget: admission, and a longer checkpoint stride if that fits it
+        walk = ExactWalk(model, Window.of(ones, ones, ones), config)
     except OutOfMemory as e:
         echo(f"verdict: does not fit: {e}")
         return False
     plan = walk.plan
     echo(f"  {len(plan.chunks)} chunks, checkpoint stride {plan.stride}")
-    acts = budget.probe(model, config.chunk, config.recompute)
-    est = budget.estimate(model, layout, acts, plan, config.cache_type)
+    est = walk.estimate or budget.estimate(
+        model, layout, budget.probe(model, config.chunk, config.recompute), plan, config.cache_type
+    )
     for line in est.lines():
         echo(line)
     host = config.host_budget
     echo(f"host: {mib(est.host)} needed, budget {mib(host) if host else 'none'}: fits")
     device = config.device_budget
-    if device is None or est.device <= device:
-        echo(f"device: {mib(est.device)} needed, budget {mib(device) if device else 'none'}: fits")
+    if device is None or est.total <= device:
+        echo(f"memory: {mib(est.total)} needed, budget {mib(device) if device else 'none'}: fits")
         echo("verdict: fits")
         return True
-    try:
-        ExactWalk(model, Window.of(ones, ones, ones), config)
-    except OutOfMemory as e:
-        echo(f"verdict: does not fit: {e}")
-        return False
-    echo(f"device: {mib(est.device)} at the full horizon, budget {mib(device)}: late chunks "
-         "narrow their horizon to fit (the forward still sees the whole window)")  # fmt: skip
+    echo(f"memory: {mib(est.total)} at the full horizon, budget {mib(device)}: late chunks "
+         "narrow their horizon to fit (the forward still sees the whole window, the gradient "
+         "is no longer exact)")  # fmt: skip
     echo("verdict: fits with a narrowed horizon")
     return True
+
+
+def check(args) -> None:
+    """The plan's options, range-checked before the model loads, each refusal naming its flag."""
+    from .config import at_least, layers, positive
+
+    for name in ("window", "chunk", "rank"):
+        at_least(name, getattr(args, name), 1)
+    at_least("horizon", args.horizon, 0, " (0 = the whole window)")
+    layers(args.num_layers)
+    for name in ("memory_budget_mib", "host_budget_mib"):
+        positive(name, getattr(args, name))
+    check_cache_type(args.cache_type)
 
 
 def run(args) -> int:
     from . import models
 
+    check(args)
     model, _ = models.load(args.model)
+    check_cache_type(args.cache_type, arch.inspect(model).head_dims)
     adapters.apply(model, adapters.LoraConfig(rank=args.rank, num_layers=args.num_layers))
     config = WalkConfig(
         chunk=args.chunk,
@@ -62,5 +71,6 @@ def run(args) -> int:
         cache_type=args.cache_type,
         host_budget_mib=args.host_budget_mib,
         memory_budget_mib=args.memory_budget_mib,
+        recompute=args.recompute,
     ).check()
     return 0 if report(model, args.model, args.window, config) else 1

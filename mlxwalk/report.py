@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from .adapters import atomic_write
+from .files import atomic_write
 
 
 class Progress:
@@ -46,7 +46,8 @@ def progress(total: int, initial: int = 0, enabled: bool = True) -> Progress:
 
 def epoch_line(e) -> str:
     ev = "n/a" if e.eval_loss is None else f"{e.eval_loss:.4f}"
-    return (f"epoch {e.epoch}: train_loss {e.train_loss:.4f}, eval_loss {ev}, "
+    part = f" (partial: {e.windows} windows, stopped by --iters)" if e.partial else ""
+    return (f"epoch {e.epoch}{part}: train_loss {e.train_loss:.4f}, eval_loss {ev}, "
             f"{e.seconds:.1f} s, {e.train_tok_s:,.0f} tok/s")  # fmt: skip
 
 

@@ -3,133 +3,37 @@
 Each example is its own window (no packing: the walk exists for long windows, and packing would
 let short examples attend to each other). The exact walk takes one optimizer step per window, the
 plain walk one per labelled chunk. After each epoch the validation examples are evaluated; every
-`save_every` windows, and at each epoch's end, a checkpoint (adapter, optimizer state, position in
-the data) is written to a fresh folder that is renamed into place, so a run killed at any moment
-resumes with `--resume` from the last checkpoint: it loses the windows trained since (at most
-`save_every`, and none of a checkpoint half-written).
+`save_every` windows, at each epoch's end, at `--iters` and on Ctrl-C, a checkpoint (adapter,
+optimizer state, position in the data) is written to a fresh folder that is renamed into place, so
+a run killed at any moment resumes with `--resume` from the last checkpoint (runfolder.py says
+what must match). Every refusal comes before the folder is touched; a run that fails leaves
+nothing it made, except checkpoints it can resume from.
 """
 
 from __future__ import annotations
 
-import json
-import logging
 import math
 import os
-import shutil
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_map
 
-from . import adapters, arch, budget, data, models, report, samples, tiny
+from . import adapters, arch, budget, data, models, report, samples
+from .config import TrainConfig, coerce  # noqa: F401  (the run's options, imported from here too)
+from .files import NewFolder, sweep
 from .plan import MIB, PlanError
+from .runfolder import Position, RunFolder, identity
 from .store import check_cache_type
-from .walk import WalkConfig, Window, train_window, window_loss
+from .walk import NonFinite, Window, train_window, window_loss
 
-log = logging.getLogger("mlxwalk")
-OPTIMIZERS = ("adam", "adamw", "sgd")
-
-
-KINDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}
-
-
-def coerce(name: str, value, kind: str):
-    """`value` as the field's type (annotations read as text), or a one-line refusal."""
-    base = kind.split("|")[0].strip()
-    if value is None and "None" in kind:
-        return None
-    ok, given = True, value
-    if base == "bool":
-        ok = isinstance(value, bool)
-    elif base == "int":
-        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-            value = int(value)
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif base == "float":
-        try:
-            value = float(value) if not isinstance(value, bool) else None
-        except (TypeError, ValueError):
-            value = None
-        ok = value is not None
-    elif base == "str":
-        ok = isinstance(value, str)
-    elif base.startswith("list"):
-        ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
-    if not ok:
-        what = KINDS.get(base, "a list of strings")
-        raise PlanError(f"{name} must be {what}, got {given!r}")
-    return value
-
-
-@dataclass
-class TrainConfig:
-    model: str = tiny.DEFAULT_MODEL
-    data: str | None = None  # a folder with train.jsonl (and valid.jsonl); None = bundled sample
-    walk: str = "exact"
-    window: int | None = None  # None: the longest example, rounded up to the chunk
-    chunk: int = 512
-    horizon: int = 0
-    cache_type: str = "float32"
-    host_budget_mib: float | None = None
-    memory_budget_mib: float | None = None
-    recompute: bool = False
-    epochs: int = 3
-    iters: int | None = None  # stop after this many windows (mlx-lm's --iters)
-    lr: float = 1e-4
-    optimizer: str = "adam"
-    rank: int = 8
-    scale: float = 20.0
-    dropout: float = 0.0
-    num_layers: int = 16
-    targets: list[str] | None = None
-    seed: int = 0
-    adapter_path: str | None = None  # None: runs/<model>-<time>
-    save_every: int = 0  # windows between checkpoints; 0 = at each epoch's end only
-    resume: bool = False
-    val_split: float = 0.1  # used only when the data has no valid.jsonl
-    fit: str = "left"
-    mask_prompt: bool = True
-    follow_runs: bool = False  # chunks may cross turns: a chat's short turns make small chunks
-    progress: bool = True
-
-    def check(self) -> TrainConfig:
-        for f in fields(self):  # a YAML file gives strings for some numbers ("1e-5") or worse
-            setattr(self, f.name, coerce(f.name, getattr(self, f.name), str(f.type)))
-        if self.walk not in ("exact", "plain"):
-            raise PlanError(f"walk {self.walk!r} cannot train; choose exact or plain")
-        if self.optimizer not in OPTIMIZERS:
-            raise PlanError(
-                f"optimizer {self.optimizer!r} is unknown; choose {', '.join(OPTIMIZERS)}"
-            )
-        if self.fit not in data.FITS:
-            raise PlanError(f"fit {self.fit!r} is unknown; choose {' or '.join(data.FITS)}")
-        if self.epochs < 1 or self.chunk < 1 or (self.window is not None and self.window < 1):
-            raise PlanError("epochs, chunk and window must be at least 1")
-        if not 0 <= self.val_split < 1:
-            raise PlanError(f"val_split must be in [0, 1), got {self.val_split}")
-        check_cache_type(self.cache_type)
-        return self
-
-    def lora(self) -> adapters.LoraConfig:
-        return adapters.LoraConfig(
-            self.rank, self.scale, self.dropout, self.num_layers, self.targets
-        )
-
-    def walk_config(self, seed: int | None = None) -> WalkConfig:
-        return WalkConfig(
-            chunk=self.chunk,
-            horizon=self.horizon,
-            cache_type=self.cache_type,
-            recompute=self.recompute,
-            host_budget_mib=self.host_budget_mib,
-            memory_budget_mib=self.memory_budget_mib,
-            seed=seed,
-            follow_runs=self.follow_runs,
-        ).check()
+BUDGET_MARGIN = 0.10  # a window's peak may pass the memory budget by this much before a warning
+SKIP_LIMIT = 5  # --on-nan skip: this many non-finite windows in a row stop the run
+LR_WARN = 0.1  # an Adam learning rate above this is announced as one that will diverge
 
 
 @dataclass
@@ -139,19 +43,8 @@ class Epoch:
     eval_loss: float | None
     seconds: float
     train_tok_s: float
-
-
-@dataclass
-class Position:
-    """Where a run stands: windows done in the current epoch and overall, epochs finished."""
-
-    epoch: int = 0
-    index: int = 0
     windows: int = 0
-    loss_sum: float = 0.0
-    tokens: int = 0
-    seconds: float = 0.0
-    epochs: list[dict] = field(default_factory=list)
+    partial: bool = False  # stopped by --iters before the epoch's end
 
 
 def max_positions(model) -> int | None:
@@ -189,6 +82,11 @@ def say(*args) -> None:
     print(*args, flush=True)
 
 
+def few(places: list[str], n: int = 3) -> str:
+    shown = ", ".join(places[:n])
+    return shown + (f" and {len(places) - n} more" if len(places) > n else "")
+
+
 class Run:
     """One training run: setup (every refusal happens here), then epochs of windows."""
 
@@ -196,15 +94,19 @@ class Run:
         self.cfg = cfg.check()
         self.echo = echo
         self.out = writable(Path(cfg.adapter_path or default_path(cfg.model)))
-        folder = data.check_folder(cfg.data) if cfg.data else samples.folder()
+        self.folder = RunFolder(self.out)
+        self.folder.claim(cfg.overwrite, cfg.resume)
+        data_folder = data.check_folder(cfg.data) if cfg.data else samples.folder()
         self.model, self.tokenizer = models.load(cfg.model)
+        fingerprint = models.fingerprint(self.model)
         self.layout = arch.inspect(self.model)
+        check_cache_type(cfg.cache_type, self.layout.head_dims)
         self.limit = max_positions(self.model)
         if cfg.window is not None and self.limit is not None and cfg.window > self.limit:
             raise PlanError(
-                f"window {cfg.window} exceeds the model's maximum positions ({self.limit})"
+                f"--window {cfg.window} exceeds the model's maximum positions ({self.limit})"
             )
-        self.train_set, self.valid_set = self._load(folder)
+        self.train_set, self.valid_set = self._load(data_folder)
         mx.random.seed(cfg.seed)
         adapters.apply(self.model, cfg.lora())
         self.optimizer = make_optimizer(cfg)
@@ -212,22 +114,42 @@ class Run:
         self.position = Position()
         self.peak = 0
         self.horizon_used = cfg.horizon
-        self.memory = self._admit()
+        self.narrowed = self.over_budget = 0  # windows less than exact; windows past the budget
+        self.first_loss: float | None = None
+        self.collapsed: int | None = None  # the window whose loss reached ln(vocabulary)
+        if cfg.optimizer != "sgd" and cfg.lr > LR_WARN:
+            echo(f"warning: --lr {cfg.lr:g} is far above what Adam trains LoRA with (1e-6 to "
+                 "1e-3); expect the loss to diverge")  # fmt: skip
+        self.largest = self._admit()
+        self.memory = self.largest.estimate if self.largest else None
+        files = [data_folder / "train.jsonl", data_folder / "valid.jsonl"]
+        model_path = str(models.resolve(cfg.model).resolve())
+        self.identity = identity(cfg, model_path, fingerprint, files, self.window)
+        self.resumed_from = self._resume() if cfg.resume else None
 
     def _load(self, folder: Path) -> tuple[data.Dataset, data.Dataset]:
         cfg = self.cfg
         whole = data.load(folder, "train", self.tokenizer, None, mask_prompt=cfg.mask_prompt)
         if not whole.examples:
-            raise PlanError(f"no training example has a labelled token ({whole.source})")
+            raise PlanError(f"no training example has a labelled token ({whole.source}: "
+                            f"{whole.skipped} rows, each skipped)")  # fmt: skip
+        whole.check_ids(self.layout.vocab)
         longest = max(len(e) for e in whole.examples)
         asked = cfg.window or cfg.chunk * math.ceil(longest / cfg.chunk)
         self.window_asked = cfg.window or longest
         self.window = min(asked, self.limit) if self.limit else asked
         train = whole.fitted(self.window, cfg.fit)  # tokenized once: chats render turn by turn
+        if not train.examples:
+            raise PlanError(
+                f"every training example lost its labelled tokens when cut to the window of "
+                f"{self.window} tokens ({train.cut_away} cut away, --fit {cfg.fit}); raise "
+                "--window" + (" or try --fit middle" if cfg.fit == "left" else "")
+            )
         if (folder / "valid.jsonl").exists():
             valid = data.load(
                 folder, "valid", self.tokenizer, self.window, cfg.fit, cfg.mask_prompt
             )
+            valid.check_ids(self.layout.vocab)
         else:
             rng = np.random.default_rng(cfg.seed)
             order = rng.permutation(len(train.examples))
@@ -235,21 +157,52 @@ class Run:
             valid = data.Dataset([train.examples[i] for i in order[:n_valid]])
             train.examples = [train.examples[i] for i in sorted(order[n_valid:])]
         if not train.examples:
-            raise PlanError(f"no training example has a labelled token ({train.source})")
+            raise PlanError(f"no training example is left after --val-split {cfg.val_split} "
+                            f"({train.source})")  # fmt: skip
+        self._announce(train, "training")
+        if valid.source:
+            self._announce(valid, "validation")
         return train, valid
 
-    def _admit(self) -> budget.Estimate | None:
-        """The memory of the largest window, refused here if it cannot fit. A window computes up
-        to its last labelled position, so that, not its length, sizes it."""
+    def _announce(self, ds: data.Dataset, what: str) -> None:
+        """Every skip and cut, counted and placed, on the console."""
+        if ds.skipped:
+            self.echo(f"data: {ds.skipped} {what} row(s) skipped, no labelled token: "
+                      f"{few(ds.skipped_where)}")  # fmt: skip
+        if ds.truncated:
+            self.echo(f"data: {ds.truncated} {what} example(s) longer than the window of "
+                      f"{self.window} tokens cut (--fit {self.cfg.fit})")  # fmt: skip
+        if ds.cut_away:
+            self.echo(f"data: {ds.cut_away} {what} example(s) dropped, every label cut away: "
+                      f"{few(ds.cut_away_where)}")  # fmt: skip
+
+    def _admit(self):
+        """The exact walk's plan for the largest window, and under a memory budget its estimate
+        (refused here if it cannot fit). A window computes up to its last labelled position, so
+        that, not its length, sizes it. Without a budget nothing is probed."""
         from .walk import ExactWalk
 
         if self.cfg.walk != "exact":
             return None
         largest = max(self.train_set.examples, key=lambda e: np.flatnonzero(e.weights).max())
         win = Window.of(largest.inputs, largest.targets, largest.weights)
-        walk = ExactWalk(self.model, win, self.cfg.walk_config())
-        acts = budget.probe(self.model, self.cfg.chunk, self.cfg.recompute)
-        return budget.estimate(self.model, self.layout, acts, walk.plan, self.cfg.cache_type)
+        return ExactWalk(self.model, win, self.cfg.walk_config(), self.layout)
+
+    def _resume(self) -> Path:
+        """Adopt the folder's run (identity checked), load its newest checkpoint strictly."""
+        self.folder.check_resume(self.identity)
+        last, self.position = self.folder.load(self.model, self.optimizer)
+        if self.position.epoch >= self.cfg.epochs or self.position.windows >= self.total:
+            raise PlanError(
+                f"--resume: the run in {self.out} is complete ({self.position.windows} windows, "
+                f"{self.position.epoch} epochs); raise --epochs or --iters to train on"
+            )
+        return last
+
+    @property
+    def total(self) -> int:
+        every = self.cfg.epochs * len(self.train_set.examples)
+        return every if self.cfg.iters is None else min(self.cfg.iters, every)
 
     # --- the loop ---------------------------------------------------------------------------
 
@@ -259,45 +212,138 @@ class Run:
         )
 
     def train(self) -> dict:
-        cfg = self.cfg
-        self.out.mkdir(parents=True, exist_ok=True)
-        if cfg.resume:
-            self.restore()
-        total = cfg.iters if cfg.iters is not None else cfg.epochs * len(self.train_set.examples)
-        bar = report.progress(total, self.position.windows, enabled=cfg.progress)
-        self.model.train()
-        while self.position.epoch < cfg.epochs and self.position.windows < total:
-            order = self.order(self.position.epoch)
-            while self.position.index < len(order) and self.position.windows < total:
-                self.step(self.train_set.examples[order[self.position.index]], bar)
-                if cfg.save_every and self.position.windows % cfg.save_every == 0:
-                    self.checkpoint()
-            if self.position.index >= len(order) or self.position.windows >= total:
-                self.end_epoch()
-        bar.close()
-        adapters.save(self.model, self.out, cfg.lora())
+        made = NewFolder(self.out)
+        made.make()
+        sweep(self.out)
+        if self.cfg.overwrite:
+            self.folder.clear()
+        if self.resumed_from is None:
+            self.folder.start(self.identity)
+        else:
+            self.echo(f"resumed from {self.resumed_from} (epoch {self.position.epoch + 1}, "
+                      f"window {self.position.windows})")  # fmt: skip
+        try:
+            self.loop()
+        except BaseException as e:
+            self.fail(e, made)
+            raise
+        adapters.save(self.model, self.out, self.cfg.lora())
         return self.finish()
 
-    def step(self, example: data.Example, bar) -> None:
-        p = self.position
+    def loop(self) -> None:
+        cfg, total = self.cfg, self.total
+        self.bar = report.progress(total, self.position.windows, enabled=cfg.progress)
+        self.model.train()
+        self.partial: Epoch | None = None
+        try:
+            while self.position.epoch < cfg.epochs and self.position.windows < total:
+                order = self.order(self.position.epoch)
+                while self.position.index < len(order) and self.position.windows < total:
+                    self.step(self.train_set.examples[order[self.position.index]])
+                    if cfg.save_every and self.position.windows % cfg.save_every == 0:
+                        self.checkpoint()
+                if self.position.index < len(order):  # --iters ends the run mid-epoch
+                    self.partial = self.epoch_row(partial=True)
+                    self.echo(report.epoch_line(self.partial))
+                    self.checkpoint()
+                    break
+                self.end_epoch()
+        finally:
+            self.bar.close()
+
+    def step(self, example: data.Example) -> None:
+        """One window. The position moves (one assignment) only once the window has stepped; an
+        interruption before that puts the adapter back as it was (`undo`)."""
+        p, cfg = self.position, self.cfg
         window = Window.of(example.inputs, example.targets, example.weights)
+        self.undo = (p, self.snapshot())
         tic = time.perf_counter()
         mx.reset_peak_memory()
-        config = self.cfg.walk_config(seed=self.cfg.seed + p.windows)
-        walk = train_window(
-            self.model, self.optimizer, window, config, self.cfg.walk, on_chunk=bar.chunk
-        )
+        try:
+            walk = train_window(self.model, self.optimizer, window,
+                                cfg.walk_config(seed=cfg.seed + p.windows), cfg.walk,
+                                on_chunk=self.bar.chunk)  # fmt: skip
+        except NonFinite as e:
+            self.restore(self.undo[1])
+            self.non_finite(example, e)
+            return
         seconds = time.perf_counter() - tic
-        self.peak = max(self.peak, mx.get_peak_memory())
+        peak = mx.get_peak_memory()
+        self.streak = 0
+        self.position = replace(
+            p, index=p.index + 1, windows=p.windows + 1,
+            loss_sum=p.loss_sum + walk.loss * example.trainable,
+            tokens=p.tokens + example.trainable, seconds=p.seconds + seconds,
+        )  # fmt: skip
+        self.peak = max(self.peak, peak)
+        self.watch(walk, peak, example)
+        self.bar.window(walk.loss, len(example) / seconds, peak / MIB)
+
+    def snapshot(self):
+        """The adapter and optimizer state as they are (arrays are immutable: references do)."""
+        params = tree_map(lambda a: a, self.model.trainable_parameters())
+        return params, tree_map(lambda a: a, self.optimizer.state)
+
+    def restore(self, snap) -> None:
+        params, state = snap
+        self.model.update(params)
+        self.optimizer.state = state
+
+    def non_finite(self, example: data.Example, error: NonFinite) -> None:
+        p = self.position
+        where = f"window {p.windows + 1} (epoch {p.epoch + 1}, {example.where or 'an example'})"
+        self.streak = getattr(self, "streak", 0) + 1
+        if self.cfg.on_nan == "skip" and self.streak < SKIP_LIMIT:
+            self.echo(f"warning: {where}: {error}; skipped (--on-nan skip), adapter unchanged")
+            self.position = replace(p, index=p.index + 1, windows=p.windows + 1,
+                                    skipped=p.skipped + 1)  # fmt: skip
+            return
+        if self.cfg.on_nan == "skip":
+            raise NonFinite(f"{where}: {error}; the {SKIP_LIMIT}th window in a row that is not "
+                            f"finite, so the run stops. {self.kept()}")  # fmt: skip
+        raise NonFinite(f"{where}: {error}; stopped before its step. {self.kept()} Lower --lr, "
+                        "or pass --on-nan skip to skip such windows")  # fmt: skip
+
+    def kept(self) -> str:
+        saved = self.folder.complete()
+        if not saved:
+            return "Nothing was saved."
+        return f"The last checkpoint, {saved[-1]}, is as it was (resume with --resume)."
+
+    def watch(self, walk, peak: int, example: data.Example) -> None:
+        """Say where the user looks when a window was not exact or went past the budget."""
         used = getattr(walk, "horizon_used", self.cfg.horizon)
-        if used and (self.horizon_used == 0 or used < self.horizon_used):
-            self.horizon_used = used
-        p.index += 1
-        p.windows += 1
-        p.loss_sum += walk.loss * example.trainable
-        p.tokens += example.trainable
-        p.seconds += seconds
-        bar.window(walk.loss, len(example) / seconds, mx.get_peak_memory() / MIB)
+        if used != self.cfg.horizon:
+            self.horizon_used = used if self.horizon_used == 0 else min(self.horizon_used, used)
+            self.narrowed += 1
+            if self.narrowed == 1:
+                self.echo(f"warning: window {self.position.windows} ({example.where}): the memory "
+                          f"budget narrowed the horizon to {used} positions for its late chunks, "
+                          "so its gradient is not exact (counted in report.json: "
+                          "windows_narrowed)")  # fmt: skip
+        self.check_collapse(walk.loss, example)
+        budget_bytes = self.cfg.walk_config().device_budget
+        if budget_bytes and peak > budget_bytes * (1 + BUDGET_MARGIN):
+            self.over_budget += 1
+            if self.over_budget == 1:
+                self.echo(f"warning: window {self.position.windows} peaked at {peak / MIB:,.0f} "
+                          f"MiB, past the memory budget of {budget_bytes / MIB:,.0f} MiB by more "
+                          f"than {BUDGET_MARGIN:.0%} (counted in report.json: "
+                          "windows_over_budget)")  # fmt: skip
+
+    def check_collapse(self, loss: float, example: data.Example) -> None:
+        """A loss that climbs to ln(vocabulary), what a uniform guess scores, from well below it:
+        the adapter has wrecked the model (too high a learning rate, as a rule). Said once."""
+        uniform = math.log(self.layout.vocab)
+        if self.first_loss is None:
+            self.first_loss = loss
+        elif self.collapsed is None and self.first_loss < 0.9 * uniform <= loss / 0.99:
+            self.collapsed = self.position.windows
+            self.echo(f"warning: window {self.collapsed} ({example.where}): loss {loss:.3f} is "
+                      f"that of a uniform guess over the {self.layout.vocab}-token vocabulary "
+                      f"(ln {self.layout.vocab} = {uniform:.3f}), from {self.first_loss:.3f} at "
+                      f"the first window: training has diverged; lower --lr (now "
+                      f"{self.cfg.lr:g})")  # fmt: skip
 
     def evaluate(self) -> float | None:
         if not self.valid_set.examples:
@@ -313,66 +359,58 @@ class Run:
             self.model.train()
         return total / weight
 
-    def end_epoch(self) -> None:
+    def epoch_row(self, partial: bool = False) -> Epoch:
         p = self.position
         tokens = sum(len(self.train_set.examples[i]) for i in self.order(p.epoch)[: p.index])
-        epoch = Epoch(
+        return Epoch(
             epoch=p.epoch + 1,
             train_loss=p.loss_sum / max(p.tokens, 1),
             eval_loss=self.evaluate(),
             seconds=round(p.seconds, 2),
             train_tok_s=round(tokens / p.seconds, 1) if p.seconds else 0.0,
+            windows=p.index,
+            partial=partial,
         )
-        p.epochs.append(asdict(epoch))
+
+    def end_epoch(self) -> None:
+        epoch = self.epoch_row()
         self.echo(report.epoch_line(epoch))
-        p.epoch, p.index, p.loss_sum, p.tokens, p.seconds = p.epoch + 1, 0, 0.0, 0, 0.0
+        p = self.position
+        self.position = replace(p, epoch=p.epoch + 1, index=0, loss_sum=0.0, tokens=0,
+                                seconds=0.0, epochs=[*p.epochs, asdict(epoch)])  # fmt: skip
         self.checkpoint()
 
-    # --- checkpoints --------------------------------------------------------------------------
+    # --- checkpoints and failure ----------------------------------------------------------------
 
     def checkpoint(self) -> Path:
-        """A complete checkpoint in a fresh folder, renamed into place; older ones pruned."""
-        root = self.out / "checkpoints"
-        root.mkdir(exist_ok=True)
-        final = root / f"window-{self.position.windows:07d}"
-        tmp = root / f".tmp-{final.name}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        adapters.save(self.model, tmp, self.cfg.lora())
-        mx.save_safetensors(
-            str(tmp / "optimizer.safetensors"), dict(tree_flatten(self.optimizer.state))
-        )
-        (tmp / "state.json").write_text(json.dumps(asdict(self.position)))
-        # An end-of-epoch checkpoint can share its window count with the last periodic one: the
-        # older moves aside first, so a crash at any point leaves only complete checkpoints.
-        aside = root / f".old-{final.name}"
-        if final.exists():
-            shutil.rmtree(aside, ignore_errors=True)
-            final.rename(aside)
-        tmp.rename(final)
-        shutil.rmtree(aside, ignore_errors=True)
-        for old in complete_checkpoints(root)[:-2]:
-            shutil.rmtree(old, ignore_errors=True)
-        return final
+        return self.folder.save(self.model, self.optimizer, self.cfg.lora(), self.position)
 
-    def restore(self) -> None:
-        found = complete_checkpoints(self.out / "checkpoints")
-        if not found:
-            raise PlanError(f"--resume: no checkpoint in {self.out / 'checkpoints'}")
-        last = found[-1]
-        weights = mx.load(str(last / "adapters.safetensors"))
-        self.model.load_weights(list(weights.items()), strict=False)
-        state = mx.load(str(last / "optimizer.safetensors"))
-        self.optimizer.state = tree_unflatten(list(state.items()))
-        self.position = Position(**json.loads((last / "state.json").read_text()))
-        mx.eval(self.model.parameters(), self.optimizer.state)
-        self.echo(f"resumed from {last} (epoch {self.position.epoch + 1}, "
-                  f"window {self.position.windows})")  # fmt: skip
+    def fail(self, error: BaseException, made: NewFolder) -> None:
+        """On the way out: a Ctrl-C saves what was trained and says how to go on; a run with no
+        checkpoint leaves nothing behind."""
+        if isinstance(error, KeyboardInterrupt):
+            undo = getattr(self, "undo", None)
+            if undo is not None and self.position is undo[0]:  # mid-window: as before it
+                self.restore(undo[1])
+            saved = self.folder.complete()
+            done = self.position.windows
+            if done and (not saved or not saved[-1].name.endswith(f"{done:07d}")):
+                saved.append(self.checkpoint())
+            if saved:
+                error.args = (f"at window {done} of {self.total}; checkpoint {saved[-1]} holds "
+                              f"it: to continue, run the same command with --resume "
+                              f"--adapter-path {self.out}",)  # fmt: skip
+        if not self.folder.complete():
+            self.folder.clear()
+            made.discard()
+            if isinstance(error, KeyboardInterrupt):
+                error.args = ("before the first window finished; nothing was saved",)
 
     # --- the report ----------------------------------------------------------------------------
 
     def finish(self) -> dict:
         cfg, est = self.cfg, self.memory
+        epochs = self.position.epochs + ([asdict(self.partial)] if self.partial else [])
         summary = {
             "model": cfg.model,
             "adapter_path": str(self.out),
@@ -382,25 +420,25 @@ class Run:
             "chunk": cfg.chunk,
             "horizon": cfg.horizon,
             "horizon_used": self.horizon_used,
-            "host_mib": round(est.host / MIB, 2) if est else 0.0,
+            "windows_narrowed": self.narrowed,
+            "memory_estimate_mib": round(est.total / MIB, 2) if est else None,
+            "host_mib": round(self.largest.plan.host_bytes / MIB, 2) if self.largest else 0.0,
             "graph_mib": round(est.graph / MIB, 2) if est else None,
             "peak_mib": round(self.peak / MIB, 2),
+            "windows_over_budget": self.over_budget,
+            "diverged_at_window": self.collapsed,
+            "windows_skipped_non_finite": self.position.skipped,
             "examples": len(self.train_set.examples),
             "examples_skipped": self.train_set.skipped,
             "examples_truncated": self.train_set.truncated,
+            "examples_cut_away": self.train_set.cut_away,
             "trainable_tokens": self.train_set.trainable_tokens,
             "windows": self.position.windows,
-            "epochs": self.position.epochs,
+            "epochs": epochs,
             "config": {f.name: getattr(cfg, f.name) for f in fields(cfg)},
         }
         report.write(self.out, summary)
         return summary
-
-
-def complete_checkpoints(root: Path) -> list[Path]:
-    if not root.exists():
-        return []
-    return sorted(p for p in root.glob("window-*") if (p / "state.json").exists())
 
 
 def default_path(model: str) -> Path:
@@ -417,7 +455,14 @@ def train_run(cfg: TrainConfig, echo=say) -> dict:
     if est is not None:
         echo(f"memory estimate: {est.total / MIB:.1f} MiB (graph {est.graph / MIB:.1f}, K/V store "
              f"{est.store / MIB:.1f}, host {est.host / MIB:.1f})")  # fmt: skip
+    elif run.largest is not None:
+        plan = run.largest.plan
+        store = budget.store_bytes(run.layout, plan.computed, cfg.cache_type)
+        echo(f"memory: K/V store {store / MIB:.1f} MiB, accumulators and checkpoints "
+             f"{plan.host_bytes / MIB:.1f} MiB, beside the weights and one chunk's graph "
+             "(mlxwalk plan estimates it all)")  # fmt: skip
     summary = run.train()
     echo(report.table(summary["epochs"]))
-    echo(f"adapter, report and loss curve written to {run.out}")
+    curve = ", report and loss curve" if summary["epochs"] else " and report"
+    echo(f"adapter{curve} written to {run.out}")
     return summary

@@ -10,21 +10,36 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from .plan import PlanError
+
 CACHE_TYPES = ("float32", "float16", "bfloat16", "q8")
 _FLOAT = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 Q_BITS = 8
+Q_GROUPS = (32, 64, 128)  # the group sizes mx.quantize takes
 
 
-def check_cache_type(cache_type: str) -> str:
+def check_cache_type(cache_type: str, head_dims: tuple[int, ...] = ()) -> str:
+    """The cache type, or a refusal: an unknown name, or q8 for head dimensions MLX can't
+    quantize (its groups are 32, 64 or 128 wide)."""
     if cache_type not in CACHE_TYPES:
-        raise ValueError(
-            f"cache type {cache_type!r} is unknown; choose one of {', '.join(CACHE_TYPES)}"
+        raise PlanError(
+            f"--cache-type {cache_type!r} is unknown; choose one of {', '.join(CACHE_TYPES)}"
+        )
+    if cache_type == "q8" and not q8_fits(head_dims):
+        raise PlanError(
+            f"--cache-type q8 needs head dimensions that are multiples of {Q_GROUPS[0]} (MLX "
+            f"quantizes in groups of {', '.join(map(str, Q_GROUPS))}); this model's are "
+            f"{', '.join(map(str, head_dims))}"
         )
     return cache_type
 
 
+def q8_fits(head_dims: tuple[int, ...]) -> bool:
+    return all(d % Q_GROUPS[0] == 0 for d in head_dims)
+
+
 def group_size(dim: int) -> int:
-    return 64 if dim % 64 == 0 else 32
+    return next(g for g in reversed(Q_GROUPS[:2]) if dim % g == 0)
 
 
 def element_bytes(cache_type: str, dim: int, dtype: mx.Dtype) -> float:

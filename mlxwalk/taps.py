@@ -148,6 +148,14 @@ class ChunkState:
 ChunkCache = (ChunkKV, ChunkState)
 
 
+def release(caches: list) -> None:
+    """Drop every array a chunk's caches hold. Arrays traced under `mx.grad` keep the traced
+    function, and through it these caches, alive from C++, where Python's collector can't see
+    the cycle: without this a window's caches (and the K/V store they read) outlive it."""
+    for cache in caches:
+        cache.__dict__.clear()
+
+
 def _find_cache(args: tuple, kwargs: dict):
     for a in (*args, *kwargs.values()):
         if isinstance(a, ChunkCache):

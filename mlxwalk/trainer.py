@@ -13,8 +13,9 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
+from . import arch
 from .plan import PlanError
-from .walk import WalkConfig, Window, train_window, window_loss
+from .walk import NonFinite, WalkConfig, Window, check_ids, train_window, window_loss
 
 
 def window_of(item, max_length: int) -> Window | None:
@@ -28,6 +29,13 @@ def window_of(item, max_length: int) -> Window | None:
     if not weights.any():
         return None
     return Window.of(tokens[:-1], tokens[1:], weights)
+
+
+def named(fn, where: str) -> None:
+    try:
+        fn()
+    except PlanError as e:
+        raise PlanError(f"{where}: {e}") from None
 
 
 def check(args) -> None:
@@ -62,14 +70,18 @@ def train(
     *,
     walk: str = "exact",
     walk_config: WalkConfig | None = None,
+    adapter_config: dict | None = None,
 ) -> None:
-    """Train `model`'s trainable parameters for `args.iters` windows (see the module doc)."""
+    """Train `model`'s trainable parameters for `args.iters` windows (see the module doc).
+    With `adapter_config`, adapter_config.json is written beside every save of the adapter, so
+    the folder mlx-lm loads from is complete whenever it holds an adapter. A NaN or infinite loss
+    or gradient stops before its step (NonFinite), naming the iteration; nothing is saved."""
     from mlx_lm.tuner.trainer import TrainingArgs
 
     args = args or TrainingArgs()
     check(args)
     base = walk_config or WalkConfig(chunk=512, recompute=args.grad_checkpoint)
-    rng = np.random.default_rng(0)
+    vocab = arch.inspect(model).vocab
     order: list[int] = []
     losses, tokens, trained, steps, elapsed = 0.0, 0, 0, 0, 0.0
     model.train()
@@ -94,12 +106,23 @@ def train(
                     f"({args.max_seq_length})"
                 )
             if not order:
-                order = list(rng.permutation(len(train_dataset)))
-            window = window_of(train_dataset[int(order.pop())], args.max_seq_length)
+                order = list(np.random.permutation(len(train_dataset)))  # seeded as mlx-lm's
+            item = int(order.pop())
+            window = window_of(train_dataset[item], args.max_seq_length)
             tried += 1
+            if window is not None:
+                named(lambda w=window: check_ids(w, vocab), f"training item {item}")
         tic = time.perf_counter()
         config = WalkConfig(**{**base.__dict__, "seed": it})
-        run = train_window(model, optimizer, window, config, walk)
+        try:
+            run = train_window(model, optimizer, window, config, walk)
+        except NonFinite as e:
+            last = (
+                f"{args.adapter_file} is as saved"
+                if Path(args.adapter_file).exists()
+                else ("nothing was saved")
+            )
+            raise NonFinite(f"iteration {it}: {e}; stopped before its step ({last})") from None
         elapsed += time.perf_counter() - tic
         losses += run.loss
         tokens += int(window.total)
@@ -118,13 +141,18 @@ def train(
                 })  # fmt: skip
             losses, tokens, steps, elapsed = 0.0, 0, 0, 0.0
         if it % args.steps_per_save == 0 or it == args.iters:
-            save(model, Path(args.adapter_file), it if it % args.steps_per_save == 0 else None)
+            step = it if it % args.steps_per_save == 0 else None
+            save(model, Path(args.adapter_file), step, adapter_config)
 
 
-def save(model, file: Path, iteration: int | None) -> None:
-    from .adapters import atomic_write
+def save(model, file: Path, iteration: int | None, config: dict | None = None) -> None:
+    import json
+
+    from .files import atomic_write, write_text
 
     weights = dict(tree_flatten(model.trainable_parameters()))
+    if config is not None:  # first, so an adapter is never without its config
+        write_text(file.parent / "adapter_config.json", json.dumps(config, indent=4))
     atomic_write(file, lambda p: mx.save_safetensors(p, weights))
     if iteration is not None:
         step = file.parent / f"{iteration:07d}_adapters.safetensors"

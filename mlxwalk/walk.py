@@ -30,15 +30,16 @@ from dataclasses import dataclass, replace
 import mlx.core as mx
 import numpy as np
 from mlx import nn
+from mlx.utils import tree_flatten
 
 from . import adapters, arch, budget, layerwise
 from .accum import ACCUMULATOR_DTYPES, Accumulators
 from .attention import Prefix, tiled_attention
 from .delta import fast_recurrence
 from .loss import head_loss, weighted_loss
-from .plan import MIB, Chunk, PlanError, cut, plan_window
+from .plan import MIB, Chunk, OutOfMemory, PlanError, cut, plan_window
 from .store import KVStore, check_cache_type
-from .taps import ChunkKV, ChunkState, eager_layers, walk_layers
+from .taps import ChunkKV, ChunkState, eager_layers, release, walk_layers
 
 log = logging.getLogger("mlxwalk")
 
@@ -55,7 +56,7 @@ class WalkConfig:
     cache_type: str = "float32"
     recompute: bool = False  # activation checkpointing inside each chunk's graph
     host_budget_mib: float | None = None
-    memory_budget_mib: float | None = None  # device: one chunk's graph plus the K/V store
+    memory_budget_mib: float | None = None  # all MLX holds while a window trains (budget.py)
     seed: int | None = None  # seeds dropout per chunk, identically in the decode and the graph
     follow_runs: bool = True  # chunks never cross a change of weight (see plan.cut)
     accumulator_dtype: str = "float32"
@@ -128,6 +129,16 @@ class Window:
         )
 
 
+def check_ids(window: Window, vocab: int) -> None:
+    """Refuse ids the model does not have: MLX would read (or write) out of bounds with them."""
+    for name, ids in (("input", window.inputs), ("target", window.targets)):
+        if len(ids) and (ids.min() < 0 or ids.max() >= vocab):
+            bad = int(ids[(ids < 0) | (ids >= vocab)][0])
+            raise PlanError(
+                f"{name} token id {bad} is outside the model's vocabulary of {vocab} ids"
+            )
+
+
 def _zeros(shape: tuple[int, ...]) -> mx.array:
     """Zeros that hold no memory (a broadcast scalar): the taps' values are never read."""
     return mx.broadcast_to(mx.zeros((1,) * len(shape), mx.float32), shape)
@@ -148,6 +159,8 @@ class _ChunkRunner:
         self.window = window
         self.config = config.check()
         self.layout = layout or arch.inspect(model)
+        check_ids(window, self.layout.vocab)
+        check_cache_type(self.config.cache_type, self.layout.head_dims)
         self.head = arch.head(model)
         self.store: KVStore | None = None
         self.seed = self._dropout_seed()
@@ -252,7 +265,7 @@ class _ChunkRunner:
         # Evaluate before writing: the graph reads the store, and a store still referenced by a
         # pending read can't be updated in place (MLX would copy it, a window-sized copy).
         mx.eval(kv, exit_state, losses)
-        del caches
+        release(caches)
         for a, (k, v) in enumerate(kv):
             self.store.write(a, chunk.start, k, v)
         mx.eval(self.store.arrays())
@@ -285,50 +298,71 @@ class ExactWalk(_ChunkRunner):
 
     def __init__(self, model: nn.Module, window: Window, config: WalkConfig, layout=None):
         super().__init__(model, window, config, layout)
-        self.plan = plan_window(
-            window.weights.tolist(),
+        self.plan = self.make_plan(self.config.host_budget)
+        self.checkpoints: dict[int, State] = {}
+        self.horizon_used = self.config.horizon  # narrowed per chunk if the memory budget asks
+        self.estimate = self.admit()
+
+    def make_plan(self, host_budget: int | None):
+        return plan_window(
+            self.window.weights.tolist(),
             self.config.chunk,
             self.layout.footprint(),
             horizon=self.config.horizon,
-            host_budget=self.config.host_budget,
+            host_budget=host_budget,
             accumulator_element_bytes=ACCUMULATOR_DTYPES[self.config.accumulator_dtype].size,
             follow_runs=self.config.follow_runs,
         )
-        self.checkpoints: dict[int, State] = {}
-        self.horizon_used = self.config.horizon  # narrowed per chunk if the device budget asks
-        self.estimate = self.admit()
 
     def admit(self) -> budget.Estimate | None:
-        """With a device budget: the walk's memory, refused (before any array of the window) if
-        even one chunk of taps would not fit."""
-        if self.config.device_budget is None:
+        """With a memory budget: the walk's memory, or a refusal before any array of the window.
+        Unless a host budget says otherwise, the checkpoints get what the rest leaves over (a
+        longer stride when they would not fit); the walk is refused if even one chunk of taps
+        would not fit."""
+        device = self.config.device_budget
+        if device is None:
             return None
         self.acts = budget.probe(self.model, self.config.chunk, self.config.recompute)
-        est = budget.estimate(self.model, self.layout, self.acts, self.plan, self.config.cache_type)
-        last = self.plan.chunks[-1]
-        least = budget.graph_bytes(
-            self.acts, self.layout.footprint(), min(self.plan.chunk, last.start)
-        )
-        budget.admit(replace(est, graph=least), self.config.device_budget, budget.WHAT_FITS)
+        est = self.measure(self.plan)
+        one_chunk = min(self.plan.chunk, self.plan.chunks[-1].start)  # the fewest taps there are
+        least = replace(est, graph=self.graph_bytes(one_chunk))
+        if least.total > device and self.layout.recurrent and self.config.host_budget is None:
+            room = device - (least.total - least.host)
+            try:  # fewer checkpoints, each re-decoded from the one before it in the reverse pass
+                plan = self.make_plan(max(room, 0))
+            except OutOfMemory:
+                plan = None
+            if plan is not None:
+                self.plan, est = plan, self.measure(plan)
+                least = replace(est, graph=least.graph)
+        budget.admit(least, device, budget.what_fits(self.layout, self.config.cache_type))
         return est
 
+    def measure(self, plan) -> budget.Estimate:
+        """The estimate for `plan`, with whatever else MLX holds now beyond the model's weights and
+        the adapter's share (arrays the walk can't know of count against the budget too)."""
+        est = budget.estimate(self.model, self.layout, self.acts, plan, self.config.cache_type)
+        return replace(est, resident=max(0, mx.get_active_memory() - est.weights - est.adapter))
+
+    def graph_bytes(self, taps: int) -> int:
+        return budget.graph_bytes(self.acts, self.layout.footprint(), taps)
+
     def grad_from(self, chunk: Chunk) -> int:
-        """The chunk's first tapped position: the plan's, or, when the chunk's graph would not fit
-        the device budget, half the horizon and again (a multiple of the chunk, never below one
-        chunk). Only this chunk is narrowed; the next window starts from the requested horizon."""
+        """The chunk's first tapped position: the plan's, or, when the walk would exceed the
+        memory budget with this chunk's graph, half the horizon and again (a multiple of the
+        chunk, never below one chunk). Only this chunk is narrowed; the next window starts from
+        the requested horizon."""
         if self.estimate is None or chunk.start == 0:
             return chunk.grad_from
         taps, size = chunk.start - chunk.grad_from, self.plan.chunk
-        fits = lambda t: (  # noqa: E731
-            budget.graph_bytes(self.acts, self.layout.footprint(), t) + self.estimate.store
-            <= self.config.device_budget
-        )
+        rest = self.estimate.total - self.estimate.graph
+        fits = lambda t: rest + self.graph_bytes(t) <= self.config.device_budget  # noqa: E731
         narrowed = taps
         while narrowed > size and not fits(narrowed):
             narrowed = max(size, narrowed // 2 // size * size)
         if narrowed < taps:
             log.info(
-                "chunk %d: its graph with %d tapped positions exceeds the device budget of "
+                "chunk %d: its graph with %d tapped positions exceeds the memory budget of "
                 "%.1f MiB; horizon narrowed to %d for this chunk",
                 chunk.index, taps, self.config.device_budget / MIB, narrowed,
             )  # fmt: skip
@@ -339,8 +373,8 @@ class ExactWalk(_ChunkRunner):
 
     def run(self) -> tuple[mx.array, dict]:
         limit = None
-        if self.estimate is not None:  # let MLX's scheduler hold the run near its estimate
-            limit = mx.set_memory_limit(self.estimate.total)
+        if self.estimate is not None:  # MLX's scheduler waits for work to finish past this
+            limit = mx.set_memory_limit(self.config.device_budget)
         try:
             with walking(self.model, self.config.recompute):
                 self.decode_forward()
@@ -391,7 +425,7 @@ class ExactWalk(_ChunkRunner):
         )
         loss, g_params, g_inputs = self.graph(chunk, caches)
         mx.eval(loss, g_params, g_inputs)
-        del caches  # release the adjoint slices so the updates below reuse the buffers
+        release(caches)  # the adjoint slices too, so the updates below reuse the buffers
         kv = [g or None for kind, g in zip(self.layout.kinds, g_inputs) if kind == "attention"]
         acc.add_kv(gf, kv)
         states = [g for kind, g in zip(self.layout.kinds, g_inputs) if kind == "recurrent"]
@@ -414,9 +448,12 @@ class PlainWalk(_ChunkRunner):
             state = self.zero_state()
             for chunk in chunks:
                 if chunk.labelled:
-                    chunk_loss, g, _ = self.graph(chunk, self.caches(chunk, state))
+                    caches = self.caches(chunk, state)
+                    chunk_loss, g, _ = self.graph(chunk, caches)
                     mx.eval(chunk_loss, g)
+                    release(caches)
                     if step is not None:
+                        check_finite(chunk_loss, g, f"chunk {chunk.index + 1}'s ")
                         step(g)
                     loss = loss + chunk_loss
                     grads = g if grads is None else _tree_add(grads, g)
@@ -424,6 +461,21 @@ class PlainWalk(_ChunkRunner):
                     state = self.decode(chunk, state)
                 self._tick("train", chunk.index + 1, len(chunks))
         return loss, grads
+
+
+class NonFinite(PlanError):
+    """A loss or gradient that is NaN or infinite, found before the step that would apply it."""
+
+
+def check_finite(loss: mx.array, grads: dict, what: str = "") -> None:
+    """Refuse to step on a NaN or infinite loss or gradient, naming which."""
+    value = loss.item()
+    if not np.isfinite(value):
+        raise NonFinite(f"{what}loss is {value}")
+    leaves = tree_flatten(grads)
+    if not mx.all(mx.stack([mx.isfinite(g).all() for _, g in leaves])).item():
+        name = next(k for k, g in leaves if not mx.isfinite(g).all().item())
+        raise NonFinite(f"{what}gradient of {name} is not finite (loss {value:.4f})")
 
 
 def window_loss(model: nn.Module, window: Window, config: WalkConfig) -> float:
@@ -510,12 +562,15 @@ def train_window(
 ):
     """Train on one window: the exact walk takes one step, the plain walk one per labelled chunk.
     A refusal (memory, bad input) is raised before any array of the window exists or any step is
-    taken (a device budget's probe, run once per model and chunk size, comes first).
+    taken (a memory budget's probe, run once per model and chunk size, comes first); a NaN or
+    infinite loss or gradient raises NonFinite before the step that would apply it (the plain
+    walk may have stepped on the window's earlier chunks).
     Returns the walk, whose `loss` holds the window's loss (at the adapter it started from)."""
     if walk == "exact":
         runner = ExactWalk(model, window, config)
         runner.on_chunk = on_chunk
         loss, grads = runner.run()
+        check_finite(loss, grads)
         optimizer.update(model, grads)
     elif walk == "plain":
         runner = PlainWalk(model, window, config)

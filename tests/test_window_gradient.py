@@ -47,7 +47,7 @@ def test_every_row_of_the_table_holds(qwen2):
         ({"chunk": 0}, (X, Y, np.ones(N)), "chunk must be at least 1"),
         ({"chunk": 8}, (X, Y[:-1], np.ones(N)), "differ in length"),
         ({"chunk": 8, "walk": "sideways"}, (X, Y, np.ones(N)), "walk 'sideways' is unknown"),
-        ({"chunk": 8, "cache_type": "q3"}, (X, Y, np.ones(N)), "cache type 'q3' is unknown"),
+        ({"chunk": 8, "cache_type": "q3"}, (X, Y, np.ones(N)), "'q3' is unknown"),
     ],
 )
 def test_bad_input_raises_value_error(qwen2, kwargs, inputs, match):

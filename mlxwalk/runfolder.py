@@ -1,0 +1,210 @@
+"""A run's folder: whose it is, its checkpoints, and what `--resume` may continue.
+
+A run writes `run.json` (its identity: the model's path and weight fingerprint, the LoRA layout,
+the walk, the optimizer, the data's fingerprint and the options that order and cut it) before its
+first window. A fresh run refuses a folder that holds another run unless told to `--overwrite` it;
+`--resume` continues only a run whose identity matches, from that run's own checkpoints, and
+loads them strictly. Checkpoints are complete folders renamed into place (`window-NNNNNNN`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_unflatten
+
+from . import adapters
+from .files import sweep, write_text
+from .plan import PlanError
+
+MANIFEST = "run.json"
+RUN_FILES = (MANIFEST, "adapters.safetensors", "adapter_config.json", "report.json", "loss.png")
+CHECKPOINTS = "checkpoints"
+KEEP = 2  # checkpoints kept; older ones are pruned
+
+
+@dataclass
+class Position:
+    """Where a run stands: windows done in the current epoch and overall, epochs finished."""
+
+    epoch: int = 0
+    index: int = 0
+    windows: int = 0
+    loss_sum: float = 0.0
+    tokens: int = 0
+    seconds: float = 0.0
+    epochs: list[dict] = field(default_factory=list)
+    skipped: int = 0  # windows skipped for a non-finite loss or gradient (--on-nan skip)
+
+
+# What must match for --resume to continue a run: (key in run.json, the flag that sets it).
+LORA_FLAGS = {"rank": "--rank", "scale": "--scale", "dropout": "--dropout",
+              "num_layers": "--num-layers", "keys": "--targets"}  # fmt: skip
+DATA_FLAGS = {"window": "--window", "fit": "--fit", "mask_prompt": "mask_prompt",
+              "val_split": "--val-split", "seed": "--seed"}  # fmt: skip
+
+
+def files_digest(paths: list[Path]) -> str:
+    h = hashlib.sha256()
+    for path in paths:
+        h.update(path.name.encode())
+        if path.exists():
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    h.update(block)
+    return h.hexdigest()[:16]
+
+
+def identity(cfg, model_path: str, fingerprint: str, data_files: list[Path], window: int) -> dict:
+    lora = cfg.lora()
+    return {
+        "model": {"path": model_path, "fingerprint": fingerprint},
+        "lora": {
+            "rank": lora.rank,
+            "scale": lora.scale,
+            "dropout": lora.dropout,
+            "num_layers": lora.num_layers,
+            "keys": lora.keys,
+        },  # fmt: skip
+        "walk": cfg.walk,
+        "optimizer": cfg.optimizer,
+        "data": {
+            "fingerprint": files_digest(data_files),
+            "window": window,
+            "fit": cfg.fit,
+            "mask_prompt": cfg.mask_prompt,
+            "val_split": cfg.val_split,
+            "seed": cfg.seed,
+        },  # fmt: skip
+    }
+
+
+def mismatch(saved: dict, now: dict, folder: Path) -> str | None:
+    """The first difference that makes a run's checkpoints useless to this one, in words."""
+    was = f"the run in {folder} was"
+    if saved["model"]["fingerprint"] != now["model"]["fingerprint"]:
+        return (f"{was} trained on model {saved['model']['path']} (weights "
+                f"{saved['model']['fingerprint']}); this one loads {now['model']['path']} "
+                f"(weights {now['model']['fingerprint']})")  # fmt: skip
+    for key, flag in LORA_FLAGS.items():
+        if saved["lora"].get(key) != now["lora"].get(key):
+            return f"{was} trained with {flag} {saved['lora'].get(key)}; this one asks for {now['lora'].get(key)}"  # noqa: E501
+    for key, flag in (("walk", "--walk"), ("optimizer", "--optimizer")):
+        if saved[key] != now[key]:
+            return f"{was} trained with {flag} {saved[key]}; this one asks for {now[key]}"
+    if saved["data"]["fingerprint"] != now["data"]["fingerprint"]:
+        return f"{was} trained on other data (its train.jsonl and valid.jsonl have changed)"
+    for key, flag in DATA_FLAGS.items():
+        if saved["data"].get(key) != now["data"].get(key):
+            return f"{was} trained with {flag} {saved['data'].get(key)}; this one asks for {now['data'].get(key)}"  # noqa: E501
+    return None
+
+
+class RunFolder:
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        self.checkpoints = self.folder / CHECKPOINTS
+        self.run_id: str | None = None
+
+    def held(self) -> list[str]:
+        """What of another run this folder holds (empty: the folder is free)."""
+        names = [n for n in RUN_FILES if (self.folder / n).exists()]
+        if self.checkpoints.exists() and any(self.checkpoints.iterdir()):
+            names.append(CHECKPOINTS + "/")
+        return names
+
+    def claim(self, overwrite: bool, resume: bool) -> None:
+        """Refuse a fresh run in a folder that holds another (before anything is loaded)."""
+        held = self.held()
+        if resume or not held:
+            return
+        if not overwrite:
+            raise PlanError(
+                f"adapter path {self.folder} holds another run ({', '.join(held)}); continue it "
+                "with --resume, replace it with --overwrite, or choose another --adapter-path"
+            )
+
+    def clear(self) -> None:
+        """Remove the previous run's files (--overwrite, once the new run is set up)."""
+        for name in RUN_FILES:
+            (self.folder / name).unlink(missing_ok=True)
+        shutil.rmtree(self.checkpoints, ignore_errors=True)
+
+    # --- identity -------------------------------------------------------------------------------
+
+    def start(self, ident: dict) -> None:
+        self.run_id = uuid.uuid4().hex[:12]
+        write_text(self.folder / MANIFEST, json.dumps({"run": self.run_id, **ident}, indent=2))
+
+    def check_resume(self, ident: dict) -> None:
+        """Adopt the run in this folder, or refuse by name what differs."""
+        manifest = self.folder / MANIFEST
+        if not manifest.exists():
+            what = "no checkpoint" if not self.held() else f"no {MANIFEST} (no run's identity)"
+            raise PlanError(f"--resume: {self.folder} holds {what}; nothing to resume")
+        try:
+            saved = json.loads(manifest.read_text())
+            self.run_id = saved["run"]
+            problem = mismatch(saved, ident, self.folder)
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise PlanError(f"--resume: {manifest} is damaged; start a new run") from None
+        if problem:
+            raise PlanError(f"--resume: {problem}; start a new run or match it")
+        if not self.complete():
+            raise PlanError(f"--resume: no checkpoint of this run in {self.checkpoints}")
+
+    # --- checkpoints ------------------------------------------------------------------------------
+
+    def complete(self) -> list[Path]:
+        """This run's complete checkpoints, oldest first."""
+        if not self.checkpoints.exists():
+            return []
+        out = []
+        for p in sorted(self.checkpoints.glob("window-*")):
+            try:
+                state = json.loads((p / "state.json").read_text())
+            except (OSError, json.JSONDecodeError):
+                continue
+            if state.get("run") == self.run_id:
+                out.append(p)
+        return out
+
+    def save(self, model, optimizer, lora, position: Position) -> Path:
+        """A complete checkpoint in a fresh folder, renamed into place; older ones pruned."""
+        self.checkpoints.mkdir(exist_ok=True)
+        sweep(self.checkpoints)
+        final = self.checkpoints / f"window-{position.windows:07d}"
+        tmp = self.checkpoints / f".{final.name}.tmp-new"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        adapters.save(model, tmp, lora)
+        mx.save_safetensors(str(tmp / "optimizer.safetensors"), dict(tree_flatten(optimizer.state)))
+        write_text(tmp / "state.json", json.dumps({"run": self.run_id, **asdict(position)}))
+        # An end-of-epoch checkpoint can share its window count with the last periodic one: the
+        # older moves aside first, so a crash at any point leaves only complete checkpoints.
+        aside = self.checkpoints / f".{final.name}.tmp-old"
+        if final.exists():
+            shutil.rmtree(aside, ignore_errors=True)
+            final.rename(aside)
+        tmp.rename(final)
+        shutil.rmtree(aside, ignore_errors=True)
+        for old in self.complete()[:-KEEP]:
+            shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    def load(self, model, optimizer) -> tuple[Path, Position]:
+        """The newest checkpoint into `model` and `optimizer`, strictly; its position."""
+        last = self.complete()[-1]
+        weights = mx.load(str(last / "adapters.safetensors"))
+        adapters.load_strict(model, weights, str(last))
+        optimizer.state = tree_unflatten(list(mx.load(str(last / "optimizer.safetensors")).items()))
+        state = json.loads((last / "state.json").read_text())
+        state.pop("run", None)
+        mx.eval(model.parameters(), optimizer.state)
+        return last, Position(**state)
