@@ -30,12 +30,15 @@ from .plan import MIB, Footprint, OutOfMemory, mib
 
 @dataclass(frozen=True)
 class Activations:
-    """One chunk's graph, measured at the run's chunk size: with no prefix, and what each tapped
-    prefix position adds, in units of that position's K/V at float32."""
+    """One chunk's graph, measured at the run's chunk size: with no prefix, and what each prefix
+    position adds, tapped and untapped, in units of that position's K/V at float32. (Attention
+    that is not tiled, such as MLX's unfused backward on CUDA at head dimension 256, holds chunk
+    x prefix scores whether or not the prefix is tapped: a narrower horizon doesn't shrink it.)"""
 
     chunk: int
     graph: float
     tap_factor: float
+    prefix_factor: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -87,10 +90,11 @@ def store_bytes(layout, positions: int, cache_type: str) -> int:
     )
 
 
-def graph_bytes(acts: Activations, footprint: Footprint, taps: int) -> int:
-    """One chunk's graph with `taps` tapped prefix positions: linear in them (the attention tile
-    is bounded; the taps' gradient and its pieces are not)."""
-    return int(acts.graph + acts.tap_factor * taps * footprint.kv_width * 4)
+def graph_bytes(acts: Activations, footprint: Footprint, taps: int, prefix: int = 0) -> int:
+    """One chunk's graph after `prefix` positions, `taps` of them tapped: linear in both (a tiled
+    attention's tile is bounded; the taps' gradient and an unfused attention's scores are not)."""
+    width = footprint.kv_width * 4
+    return int(acts.graph + (acts.tap_factor * taps + acts.prefix_factor * prefix) * width)
 
 
 def estimate(
@@ -111,7 +115,7 @@ def estimate(
         store=store_bytes(layout, plan.computed, cache_type),
         accumulators=plan.accumulator_bytes,
         checkpoints=plan.checkpoint_bytes,
-        graph=graph_bytes(acts, layout.footprint(), taps),
+        graph=graph_bytes(acts, layout.footprint(), taps, last.start),
     )
 
 
@@ -140,8 +144,9 @@ _probes: dict[tuple[int, int, bool], tuple[weakref.ref, Activations]] = {}
 
 def probe(model, chunk: int, recompute: bool = False) -> Activations:
     """Measure one chunk's graph at this chunk size: a window of one chunk (no prefix), then one
-    whose last chunk taps a prefix two attention tiles long. Cached per model, chunk and
-    recompute (a model is keyed by identity: a probe belongs to the model object it measured)."""
+    whose last chunk reads a prefix two attention tiles long, tapped whole and tapped over one
+    chunk only. Cached per model, chunk and recompute (a probe belongs to the model object it
+    measured)."""
     key = (id(model), chunk, recompute)
     ref, acts = _probes.get(key, (None, None))
     if ref is None or ref() is not model:  # an id is reused once its model is gone
@@ -149,22 +154,26 @@ def probe(model, chunk: int, recompute: bool = False) -> Activations:
         from .walk import window_gradient
 
         layout = arch.inspect(model)
-        width = layout.footprint().kv_width
+        width = layout.footprint().kv_width * 4
         n_ids = chunk * (2 + 2 * TILE // chunk) + 1
         ids = np.random.default_rng(0).integers(0, layout.vocab, n_ids)  # ids the model has
 
-        def graph(n):  # the walk's peak less the store and accumulators of n positions
+        def graph(n, horizon=0):  # the walk's peak less the store and accumulators of n positions
             peak = live_peak(
                 lambda: window_gradient(
-                    model, ids[:n], ids[1 : n + 1], np.ones(n), chunk=chunk, recompute=recompute
+                    model, ids[:n], ids[1 : n + 1], np.ones(n), chunk=chunk, recompute=recompute,
+                    horizon=horizon,
                 )
-            )
-            return peak - 2 * n * width * 4
+            )  # fmt: skip
+            return peak - 2 * n * width
 
-        far = chunk * -(-2 * TILE // chunk)  # taps well past one attention tile
-        one, two = graph(chunk), graph(chunk + far)
-        extra = two - one
-        acts = Activations(chunk, one, max(0.0, extra / (far * width * 4)))
+        far = chunk * -(-2 * TILE // chunk)  # a prefix well past one attention tile
+        one, whole, narrow = graph(chunk), graph(chunk + far), graph(chunk + far, chunk)
+        tap = max(0.0, (whole - narrow) / ((far - chunk) * width)) if far > chunk else 0.0
+        prefix = max(0.0, (narrow - one) / (far * width) - tap * chunk / far)
+        if far == chunk:  # one chunk of prefix: taps and prefix can't be told apart
+            tap, prefix = max(0.0, (whole - one) / (far * width)), 0.0
+        acts = Activations(chunk, one, tap, prefix)
         _probes[key] = (weakref.ref(model), acts)
     return acts
 
@@ -174,7 +183,9 @@ def live_peak(fn) -> int:
     so its scheduler waits for each task): the live set, not what an eager scheduler reserves."""
     mx.eval()
     mx.clear_cache()
-    previous = mx.set_memory_limit(1)
+    # On CUDA a limit doesn't make MLX wait (its allocator only returns cached buffers): there
+    # the peak is measured as the walk will run, the backend's late frees included.
+    previous = mx.set_memory_limit(mx.get_memory_limit() if mx.cuda.is_available() else 1)
     try:
         base = mx.get_active_memory()
         mx.reset_peak_memory()

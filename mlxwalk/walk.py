@@ -325,7 +325,7 @@ class ExactWalk(_ChunkRunner):
         self.acts = budget.probe(self.model, self.config.chunk, self.config.recompute)
         est = self.measure(self.plan)
         one_chunk = min(self.plan.chunk, self.plan.chunks[-1].start)  # the fewest taps there are
-        least = replace(est, graph=self.graph_bytes(one_chunk))
+        least = replace(est, graph=self.graph_bytes(one_chunk, self.plan.chunks[-1].start))
         if least.total > device and self.layout.recurrent and self.config.host_budget is None:
             room = device - (least.total - least.host)
             try:  # fewer checkpoints, each re-decoded from the one before it in the reverse pass
@@ -344,8 +344,8 @@ class ExactWalk(_ChunkRunner):
         est = budget.estimate(self.model, self.layout, self.acts, plan, self.config.cache_type)
         return replace(est, resident=max(0, mx.get_active_memory() - est.weights - est.adapter))
 
-    def graph_bytes(self, taps: int) -> int:
-        return budget.graph_bytes(self.acts, self.layout.footprint(), taps)
+    def graph_bytes(self, taps: int, prefix: int) -> int:
+        return budget.graph_bytes(self.acts, self.layout.footprint(), taps, prefix)
 
     def grad_from(self, chunk: Chunk) -> int:
         """The chunk's first tapped position: the plan's, or, when the walk would exceed the
@@ -356,7 +356,7 @@ class ExactWalk(_ChunkRunner):
             return chunk.grad_from
         taps, size = chunk.start - chunk.grad_from, self.plan.chunk
         rest = self.estimate.total - self.estimate.graph
-        fits = lambda t: rest + self.graph_bytes(t) <= self.config.device_budget  # noqa: E731
+        fits = lambda t: rest + self.graph_bytes(t, chunk.start) <= self.config.device_budget  # noqa: E731
         narrowed = taps
         while narrowed > size and not fits(narrowed):
             narrowed = max(size, narrowed // 2 // size * size)
@@ -373,7 +373,11 @@ class ExactWalk(_ChunkRunner):
 
     def run(self) -> tuple[mx.array, dict]:
         limit = None
-        if self.estimate is not None:  # MLX's scheduler waits for work to finish past this
+        # On the CPU and Metal, MLX's scheduler waits for work to finish past its memory limit.
+        # On CUDA the limit only makes its allocator return cached buffers through the stream's
+        # asynchronous frees, which a 27B walk at 64K turned into an out-of-memory error on an
+        # H200 (docs/BENCHMARKS.md): there the estimate and the horizon alone keep the budget.
+        if self.estimate is not None and not mx.cuda.is_available():
             limit = mx.set_memory_limit(self.config.device_budget)
         try:
             with walking(self.model, self.config.recompute):

@@ -35,7 +35,11 @@ def budgets(model, n, chunk):
     est = budget.estimate(model, walk.layout, acts, walk.plan, "float32")
     fp = walk.layout.footprint()
     rest = est.total - est.graph
-    least, full = budget.graph_bytes(acts, fp, chunk), budget.graph_bytes(acts, fp, n - chunk)
+    last = n - chunk
+    least, full = (
+        budget.graph_bytes(acts, fp, chunk, last),
+        budget.graph_bytes(acts, fp, last, last),
+    )
     return rest + least, rest + full
 
 
