@@ -134,8 +134,9 @@ def admit(est: Estimate, budget_bytes: int | None, what: str) -> None:
             f"device memory: the walk needs {mib(est.total)} at least (weights "
             f"{mib(est.weights)}, adapter and optimizer {mib(est.adapter)}, K/V store "
             f"{mib(est.store)}, accumulators {mib(est.accumulators)}, checkpoints "
-            f"{mib(est.checkpoints)}, one chunk's graph {mib(est.graph)}) but the memory budget "
-            f"is {mib(budget_bytes)}; {what}"
+            f"{mib(est.checkpoints)}, one chunk's graph {mib(est.graph)}"
+            + (f", other arrays {mib(est.resident)}" if est.resident else "")
+            + f") but the memory budget is {mib(budget_bytes)}; {what}"
         )
 
 

@@ -3,6 +3,7 @@ report with a loss-curve PNG beside it (each written to a temporary file, then r
 
 from __future__ import annotations
 
+import io
 import json
 import sys
 from pathlib import Path
@@ -63,7 +64,7 @@ def table(epochs: list[dict]) -> str:
     return "\n".join(rows)
 
 
-def plot(epochs: list[dict], file: str) -> None:
+def plot(epochs: list[dict], file) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -85,5 +86,7 @@ def plot(epochs: list[dict], file: str) -> None:
 def write(folder: Path, summary: dict) -> None:
     text = json.dumps(summary, indent=2)
     atomic_write(Path(folder) / "report.json", lambda p: Path(p).write_text(text))
-    if summary["epochs"]:
-        atomic_write(Path(folder) / "loss.png", lambda p: plot(summary["epochs"], p))
+    if summary["epochs"]:  # drawn in memory first: the temporary file lives only for the write
+        png = io.BytesIO()
+        plot(summary["epochs"], png)
+        atomic_write(Path(folder) / "loss.png", lambda p: Path(p).write_bytes(png.getvalue()))

@@ -41,3 +41,16 @@ def hybrid(hybrid_path):
 
     model, _ = mlx_lm.load(hybrid_path)
     return prepare(model)
+
+
+@pytest.fixture(scope="session")
+def measured(qwen2_path, hybrid_path):
+    """Prepared models that no test trains, shared so their memory probes are measured once."""
+    import mlx_lm
+
+    from mlxwalk.exactness import prepare
+
+    return {
+        "qwen2": prepare(mlx_lm.load(qwen2_path)[0]),
+        "hybrid": prepare(mlx_lm.load(hybrid_path)[0]),
+    }

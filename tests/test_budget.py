@@ -17,8 +17,8 @@ def window(n, seed=0):
 
 @pytest.mark.parametrize("model", ["qwen2", "hybrid"])
 @pytest.mark.parametrize("n, chunk, horizon", [(1024, 256, 0), (2048, 256, 512)])
-def test_estimate_is_within_15_percent_of_the_measured_peak(request, model, n, chunk, horizon):
-    model = request.getfixturevalue(model)
+def test_estimate_is_within_15_percent_of_the_measured_peak(measured, model, n, chunk, horizon):
+    model = measured[model]
     walk = ExactWalk(model, window(n), WalkConfig(chunk=chunk, horizon=horizon))
     acts = budget.probe(model, chunk)
     est = budget.estimate(model, walk.layout, acts, walk.plan, "float32", optimizer_factor=2)
@@ -31,8 +31,8 @@ def budgets(model, n, chunk):
     """(the walk's memory with one chunk of taps, with every prefix position tapped) for the last
     chunk: weights, adapter, store, accumulators and the graph."""
     walk = ExactWalk(model, window(n), WalkConfig(chunk=chunk))
-    acts = budget.probe(model, chunk)
-    est = budget.estimate(model, walk.layout, acts, walk.plan, "float32")
+    acts = walk.acts = budget.probe(model, chunk)
+    est = walk.measure(walk.plan)  # with whatever else is alive, as the walk counts it
     fp = walk.layout.footprint()
     rest = est.total - est.graph
     last = n - chunk
@@ -43,7 +43,8 @@ def budgets(model, n, chunk):
     return rest + least, rest + full
 
 
-def test_a_budget_short_of_the_full_horizon_narrows_it_per_chunk_and_not_beyond(qwen2, caplog):
+def test_a_budget_short_of_the_full_horizon_narrows_it_per_chunk_and_not_beyond(measured, caplog):
+    qwen2 = measured["qwen2"]
     least, full = budgets(qwen2, 2048, 256)
     config = WalkConfig(chunk=256, memory_budget_mib=(least + full) / 2 / MIB)
     walk = ExactWalk(qwen2, window(2048), config)
@@ -58,7 +59,8 @@ def test_a_budget_short_of_the_full_horizon_narrows_it_per_chunk_and_not_beyond(
     assert short.horizon_used == 0
 
 
-def test_a_budget_below_one_chunk_of_taps_is_refused_before_the_walk(qwen2):
+def test_a_budget_below_one_chunk_of_taps_is_refused_before_the_walk(measured):
+    qwen2 = measured["qwen2"]
     least, _ = budgets(qwen2, 2048, 256)
     with pytest.raises(OutOfMemory, match="device memory") as e:
         ExactWalk(qwen2, window(2048), WalkConfig(chunk=256, memory_budget_mib=least / 2 / MIB))

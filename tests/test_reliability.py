@@ -291,13 +291,13 @@ def test_ids_outside_the_vocabulary_are_refused_before_mlx_sees_them(small_vocab
 
 
 @pytest.mark.parametrize("model", ["qwen2", "hybrid"])
-def test_the_memory_budget_bounds_the_measured_peak_or_refuses(request, model):
+def test_the_memory_budget_bounds_the_measured_peak_or_refuses(measured, model):
     """A budget halfway between what the walk needs with one chunk of taps and with all of them:
     it holds (within the stated margin) by narrowing the horizon under MLX's memory limit. One
     below the least is refused before any array of the window exists."""
     from .test_budget import budgets
 
-    model = request.getfixturevalue(model)
+    model = measured[model]
     ids = np.random.default_rng(0).integers(0, 320, 2049)
     window = Window.of(ids[:-1], ids[1:], np.ones(2048))
     least, full = budgets(model, 2048, 256)
