@@ -192,11 +192,12 @@ class Run:
         """Adopt the folder's run (identity checked), load its newest checkpoint strictly."""
         self.folder.check_resume(self.identity)
         last, self.position = self.folder.load(self.model, self.optimizer)
-        if self.position.epoch >= self.cfg.epochs or self.position.windows >= self.total:
-            raise PlanError(
-                f"--resume: the run in {self.out} is complete ({self.position.windows} windows, "
-                f"{self.position.epoch} epochs); raise --epochs or --iters to train on"
-            )
+        p = self.position
+        if p.epoch >= self.cfg.epochs or p.windows >= self.total:
+            done = (f"its {p.epoch} epoch(s)" if p.epoch >= self.cfg.epochs
+                    else f"the {p.windows} windows --iters asks for")  # fmt: skip
+            raise PlanError(f"--resume: the run in {self.out} has already trained {done}; raise "
+                            "--epochs or --iters to train on")  # fmt: skip
         return last
 
     @property

@@ -134,7 +134,7 @@ def test_a_fresh_run_refuses_a_folder_holding_another_run_unless_told(qwen2_path
 def test_resume_refuses_a_complete_run_and_extends_with_more_iters(qwen2_path, chats, tmp_path):
     out = tmp_path / "r"
     train_run(quick(qwen2_path, chats, out, iters=2), echo=quiet)
-    with pytest.raises(PlanError, match="is complete .*raise --epochs or --iters"):
+    with pytest.raises(PlanError, match="already trained the 2 windows --iters asks for; raise"):
         run.Run(quick(qwen2_path, chats, out, iters=2, resume=True), echo=quiet)
     lines = []
     report = train_run(quick(qwen2_path, chats, out, iters=3, resume=True), echo=lines.append)
