@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_sigterm)
     try:
         return args.run(args)
-    except (ValueError, FileNotFoundError, OSError, KeyboardInterrupt) as e:
+    except (ValueError, FileNotFoundError, OSError, RuntimeError, KeyboardInterrupt) as e:
         return fail("mlxwalk", e)
 
 

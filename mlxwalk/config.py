@@ -112,6 +112,7 @@ class TrainConfig:
         for name in ("epochs", "chunk", "window", "iters", "rank"):
             at_least(name, getattr(self, name), 1)
         at_least("horizon", self.horizon, 0, " (0 = the whole window)")
+        at_least("seed", self.seed, 0)
         at_least("save_every", self.save_every, 0, " (0 = at each epoch's end)")
         layers(self.num_layers)
         for name in ("lr", "scale", "host_budget_mib", "memory_budget_mib"):

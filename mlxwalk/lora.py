@@ -124,11 +124,16 @@ def refuse(o) -> None:
         if getattr(o, name) == 0 or getattr(o, name) < -1:
             raise PlanError(f"--{name.replace('_', '-')} must be at least 1 (or -1 for all)")
     positive("learning_rate", o.learning_rate)
+    at_least("seed", o.seed, 0)
     lp = o.lora_parameters
     if not isinstance(lp, dict) or not isinstance(lp.get("rank"), int) or lp["rank"] < 1:
         raise PlanError(f"lora_parameters: rank must be an integer of at least 1, got {lp!r}")
-    if not 0 <= float(lp.get("dropout", 0.0)) < 1:
-        raise PlanError(f"lora_parameters: dropout must be in [0, 1), got {lp.get('dropout')}")
+    dropout, scale = lp.get("dropout", 0.0), lp.get("scale", 20.0)
+    if not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+        raise PlanError(f"lora_parameters: dropout must be a number in [0, 1), got {dropout!r}")
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+        raise PlanError(f"lora_parameters: scale must be a number, got {scale!r}")
+    positive("scale", float(scale))
 
 
 def claim(o) -> None:
@@ -273,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_sigterm)
     try:
         run(options(argv))
-    except (ValueError, FileNotFoundError, OSError, KeyboardInterrupt) as e:
+    except (ValueError, FileNotFoundError, OSError, RuntimeError, KeyboardInterrupt) as e:
         return fail("mlxwalk.lora", e)
     return 0
 

@@ -12,8 +12,10 @@ nothing it made, except checkpoints it can resume from.
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import signal
 import time
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -193,12 +195,24 @@ class Run:
         self.folder.check_resume(self.identity)
         last, self.position = self.folder.load(self.model, self.optimizer)
         p = self.position
-        if p.epoch >= self.cfg.epochs or p.windows >= self.total:
+        if (p.epoch >= self.cfg.epochs or p.windows >= self.total) and self.reported(p.windows):
             done = (f"its {p.epoch} epoch(s)" if p.epoch >= self.cfg.epochs
                     else f"the {p.windows} windows --iters asks for")  # fmt: skip
             raise PlanError(f"--resume: the run in {self.out} has already trained {done}; raise "
                             "--epochs or --iters to train on")  # fmt: skip
+        was = float(self.optimizer.learning_rate)
+        self.optimizer.learning_rate = self.cfg.lr  # the checkpoint's state holds the old one
+        if not math.isclose(was, self.cfg.lr, rel_tol=1e-6):
+            self.echo(f"learning rate {self.cfg.lr:g} from here on (the run's was {was:g})")
         return last
+
+    def reported(self, windows: int) -> bool:
+        """Whether the run finished: its report counts these windows (a run stopped before its
+        report, at its last window, resumes to close its epoch and write it)."""
+        try:
+            return json.loads((self.out / "report.json").read_text())["windows"] == windows
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
 
     @property
     def total(self) -> int:
@@ -217,7 +231,7 @@ class Run:
         made.make()
         sweep(self.out)
         if self.cfg.overwrite:
-            self.folder.clear()
+            self.folder.set_aside()
         if self.resumed_from is None:
             self.folder.start(self.identity)
         else:
@@ -237,18 +251,21 @@ class Run:
         self.model.train()
         self.partial: Epoch | None = None
         try:
-            while self.position.epoch < cfg.epochs and self.position.windows < total:
+            while self.position.epoch < cfg.epochs:
                 order = self.order(self.position.epoch)
                 while self.position.index < len(order) and self.position.windows < total:
                     self.step(self.train_set.examples[order[self.position.index]])
                     if cfg.save_every and self.position.windows % cfg.save_every == 0:
                         self.checkpoint()
-                if self.position.index < len(order):  # --iters ends the run mid-epoch
-                    self.partial = self.epoch_row(partial=True)
-                    self.echo(report.epoch_line(self.partial))
-                    self.checkpoint()
-                    break
-                self.end_epoch()
+                if self.position.index >= len(order):  # also one a stop left open at its end
+                    self.end_epoch()
+                    if self.position.windows >= total:
+                        break
+                    continue
+                self.partial = self.epoch_row(partial=True)  # --iters ends the run mid-epoch
+                self.echo(report.epoch_line(self.partial))
+                self.checkpoint()
+                break
         finally:
             self.bar.close()
 
@@ -263,7 +280,7 @@ class Run:
         try:
             walk = train_window(self.model, self.optimizer, window,
                                 cfg.walk_config(seed=cfg.seed + p.windows), cfg.walk,
-                                on_chunk=self.bar.chunk)  # fmt: skip
+                                on_chunk=self.bar.chunk, layout=self.layout)  # fmt: skip
         except NonFinite as e:
             self.restore(self.undo[1])
             self.non_finite(example, e)
@@ -354,7 +371,8 @@ class Run:
         try:
             for ex in self.valid_set.examples:
                 window = Window.of(ex.inputs, ex.targets, ex.weights)
-                total += window_loss(self.model, window, self.cfg.walk_config()) * ex.trainable
+                loss = window_loss(self.model, window, self.cfg.walk_config(), self.layout)
+                total += loss * ex.trainable
                 weight += ex.trainable
         finally:
             self.model.train()
@@ -384,11 +402,18 @@ class Run:
     # --- checkpoints and failure ----------------------------------------------------------------
 
     def checkpoint(self) -> Path:
-        return self.folder.save(self.model, self.optimizer, self.cfg.lora(), self.position)
+        saved = self.folder.save(self.model, self.optimizer, self.cfg.lora(), self.position)
+        self.folder.drop_aside()  # --overwrite: the new run now stands on its own
+        return saved
 
     def fail(self, error: BaseException, made: NewFolder) -> None:
         """On the way out: a Ctrl-C saves what was trained and says how to go on; a run with no
-        checkpoint leaves nothing behind."""
+        checkpoint leaves nothing behind (and puts back a run it was to --overwrite). A second
+        Ctrl-C or a SIGTERM waits until this is done."""
+        with shielded():
+            self._fail(error, made)
+
+    def _fail(self, error: BaseException, made: NewFolder) -> None:
         if isinstance(error, KeyboardInterrupt):
             undo = getattr(self, "undo", None)
             if undo is not None and self.position is undo[0]:  # mid-window: as before it
@@ -403,6 +428,7 @@ class Run:
                               f"--adapter-path {self.out}",)  # fmt: skip
         if not self.folder.complete():
             self.folder.clear()
+            self.folder.put_back()
             made.discard()
             if isinstance(error, KeyboardInterrupt):
                 error.args = ("before the first window finished; nothing was saved",)
@@ -440,6 +466,22 @@ class Run:
         }
         report.write(self.out, summary)
         return summary
+
+
+class shielded:
+    """SIGINT and SIGTERM held off within the block (where the main thread can hold them)."""
+
+    def __enter__(self):
+        self.saved = {}
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self.saved[sig] = signal.signal(sig, signal.SIG_IGN)
+            except ValueError:  # not the main thread
+                pass
+
+    def __exit__(self, *exc):
+        for sig, handler in self.saved.items():
+            signal.signal(sig, handler)
 
 
 def default_path(model: str) -> Path:

@@ -13,7 +13,7 @@ import hashlib
 import json
 import shutil
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import mlx.core as mx
@@ -131,10 +131,31 @@ class RunFolder:
             )
 
     def clear(self) -> None:
-        """Remove the previous run's files (--overwrite, once the new run is set up)."""
+        """Remove this folder's run files and checkpoints."""
         for name in RUN_FILES:
             (self.folder / name).unlink(missing_ok=True)
         shutil.rmtree(self.checkpoints, ignore_errors=True)
+
+    @property
+    def aside(self) -> Path:
+        return self.folder / ".overwritten.tmp-run"
+
+    def set_aside(self) -> None:
+        """--overwrite: the previous run moves aside until the new one has a checkpoint (then
+        `drop_aside`), or comes back if the new one fails before (`put_back`)."""
+        self.aside.mkdir()
+        for name in [*RUN_FILES, CHECKPOINTS]:
+            if (self.folder / name).exists():
+                (self.folder / name).rename(self.aside / name)
+
+    def drop_aside(self) -> None:
+        shutil.rmtree(self.aside, ignore_errors=True)
+
+    def put_back(self) -> None:
+        if self.aside.exists():
+            for item in self.aside.iterdir():
+                item.rename(self.folder / item.name)
+            self.aside.rmdir()
 
     # --- identity -------------------------------------------------------------------------------
 
@@ -152,7 +173,7 @@ class RunFolder:
             saved = json.loads(manifest.read_text())
             self.run_id = saved["run"]
             problem = mismatch(saved, ident, self.folder)
-        except (json.JSONDecodeError, KeyError, TypeError):
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
             raise PlanError(f"--resume: {manifest} is damaged; start a new run") from None
         if problem:
             raise PlanError(f"--resume: {problem}; start a new run or match it")
@@ -201,10 +222,14 @@ class RunFolder:
     def load(self, model, optimizer) -> tuple[Path, Position]:
         """The newest checkpoint into `model` and `optimizer`, strictly; its position."""
         last = self.complete()[-1]
-        weights = mx.load(str(last / "adapters.safetensors"))
+        try:
+            weights = mx.load(str(last / "adapters.safetensors"))
+            moments = mx.load(str(last / "optimizer.safetensors"))
+            state = json.loads((last / "state.json").read_text())
+        except (RuntimeError, OSError, ValueError) as e:
+            raise PlanError(f"--resume: checkpoint {last} can't be read ({e})") from None
         adapters.load_strict(model, weights, str(last))
-        optimizer.state = tree_unflatten(list(mx.load(str(last / "optimizer.safetensors")).items()))
-        state = json.loads((last / "state.json").read_text())
-        state.pop("run", None)
+        optimizer.state = tree_unflatten(list(moments.items()))
         mx.eval(model.parameters(), optimizer.state)
-        return last, Position(**state)
+        known = {f.name for f in fields(Position)}
+        return last, Position(**{k: v for k, v in state.items() if k in known})

@@ -81,7 +81,8 @@ def train(
     args = args or TrainingArgs()
     check(args)
     base = walk_config or WalkConfig(chunk=512, recompute=args.grad_checkpoint)
-    vocab = arch.inspect(model).vocab
+    layout = arch.inspect(model)
+    vocab = layout.vocab
     order: list[int] = []
     losses, tokens, trained, steps, elapsed = 0.0, 0, 0, 0, 0.0
     model.train()
@@ -115,7 +116,7 @@ def train(
         tic = time.perf_counter()
         config = WalkConfig(**{**base.__dict__, "seed": it})
         try:
-            run = train_window(model, optimizer, window, config, walk)
+            run = train_window(model, optimizer, window, config, walk, layout=layout)
         except NonFinite as e:
             last = (
                 f"{args.adapter_file} is as saved"

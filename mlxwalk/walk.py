@@ -324,7 +324,8 @@ class ExactWalk(_ChunkRunner):
             return None
         self.acts = budget.probe(self.model, self.config.chunk, self.config.recompute)
         est = self.measure(self.plan)
-        one_chunk = min(self.plan.chunk, self.plan.chunks[-1].start)  # the fewest taps there are
+        last = self.plan.chunks[-1]
+        one_chunk = min(self.plan.chunk, last.start - last.grad_from)  # the fewest taps there are
         least = replace(est, graph=self.graph_bytes(one_chunk, self.plan.chunks[-1].start))
         if least.total > device and self.layout.recurrent and self.config.host_budget is None:
             room = device - (least.total - least.host)
@@ -482,9 +483,9 @@ def check_finite(loss: mx.array, grads: dict, what: str = "") -> None:
         raise NonFinite(f"{what}gradient of {name} is not finite (loss {value:.4f})")
 
 
-def window_loss(model: nn.Module, window: Window, config: WalkConfig) -> float:
+def window_loss(model: nn.Module, window: Window, config: WalkConfig, layout=None) -> float:
     """The window's loss, decoded chunk by chunk with no gradient (for evaluation)."""
-    runner = _ChunkRunner(model, window, config)
+    runner = _ChunkRunner(model, window, config, layout)
     chunks = cut(window.weights.tolist(), runner.config.chunk, runner.config.follow_runs)
     losses: list = []
     with walking(model, False):
@@ -563,6 +564,7 @@ def train_window(
     config: WalkConfig,
     walk: str = "exact",
     on_chunk: Callable[[str, int, int], None] | None = None,
+    layout=None,  # the model's arch.Layout, when the caller has it (else read per window)
 ):
     """Train on one window: the exact walk takes one step, the plain walk one per labelled chunk.
     A refusal (memory, bad input) is raised before any array of the window exists or any step is
@@ -571,13 +573,13 @@ def train_window(
     walk may have stepped on the window's earlier chunks).
     Returns the walk, whose `loss` holds the window's loss (at the adapter it started from)."""
     if walk == "exact":
-        runner = ExactWalk(model, window, config)
+        runner = ExactWalk(model, window, config, layout)
         runner.on_chunk = on_chunk
         loss, grads = runner.run()
         check_finite(loss, grads)
         optimizer.update(model, grads)
     elif walk == "plain":
-        runner = PlainWalk(model, window, config)
+        runner = PlainWalk(model, window, config, layout)
         runner.on_chunk = on_chunk
         loss, _ = runner.run(step=lambda g: optimizer.update(model, g))
     else:

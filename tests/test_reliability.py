@@ -142,6 +142,48 @@ def test_resume_refuses_a_complete_run_and_extends_with_more_iters(qwen2_path, c
     assert report["windows"] == 3
 
 
+def test_a_run_stopped_at_its_last_window_resumes_to_close_it(
+    qwen2_path, chats, tmp_path, monkeypatch
+):
+    """Ctrl-C in the last epoch's evaluation: the windows are all trained, the epoch is not
+    closed, no report: --resume closes it and writes the adapter and report."""
+    out = tmp_path / "r"
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(run.Run, "evaluate", interrupted)
+        with pytest.raises(KeyboardInterrupt, match="--resume"):
+            train_run(quick(qwen2_path, chats, out, save_every=1), echo=quiet)
+    assert not (out / "report.json").exists()
+    report = train_run(quick(qwen2_path, chats, out, save_every=1, resume=True), echo=quiet)
+    assert report["windows"] == 4 and [e["epoch"] for e in report["epochs"]] == [1]
+    assert (out / "adapters.safetensors").exists()
+
+
+def test_a_resume_takes_the_learning_rate_it_is_given_and_says_so(qwen2_path, chats, tmp_path):
+    out = tmp_path / "r"
+    train_run(quick(qwen2_path, chats, out, iters=1), echo=quiet)
+    lines = []
+    r = run.Run(quick(qwen2_path, chats, out, iters=2, lr=5e-5, resume=True), echo=lines.append)
+    assert float(r.optimizer.learning_rate) == pytest.approx(5e-5)
+    assert any("learning rate 5e-05 from here on (the run's was 0.001)" in line for line in lines)
+
+
+def test_an_overwrite_that_fails_before_its_first_checkpoint_puts_the_old_run_back(
+    qwen2_path, chats, tmp_path, monkeypatch
+):
+    out = tmp_path / "r"
+    train_run(quick(qwen2_path, chats, out, iters=1), echo=quiet)
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    poison_window(monkeypatch, {1})
+    with pytest.raises(NonFinite):
+        train_run(quick(qwen2_path, chats, out, iters=2, overwrite=True), echo=quiet)
+    after = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert after == before
+
+
 @pytest.mark.parametrize(
     "change, message",
     [
@@ -416,6 +458,7 @@ def test_the_drop_in_announces_max_seq_length_cuts(qwen2_path, chats, tmp_path, 
          "--targets: 'foo.bar' is not a linear layer of the adapted layers"),
         (["train", "--resume", "--overwrite"], "give one"),
         (["train", "--on-nan", "ignore"], "--on-nan 'ignore' is unknown"),
+        (["train", "--seed", "-1"], "--seed must be at least 0, got -1"),
         (["plan", "--window", "-256", "--chunk", "64"], "--window must be at least 1, got -256"),
         (["plan", "--window", "256", "--chunk", "0"], "--chunk must be at least 1, got 0"),
     ],
