@@ -26,12 +26,13 @@ import numpy as np
 from mlx.utils import tree_map
 
 from . import adapters, arch, budget, data, models, report, samples
-from .config import TrainConfig, coerce  # noqa: F401  (the run's options, imported from here too)
+from .config import TrainConfig
 from .files import NewFolder, sweep
+from .guards import NonFinite
 from .plan import MIB, PlanError
 from .runfolder import Position, RunFolder, identity
 from .store import check_cache_type
-from .walk import NonFinite, Window, train_window, window_loss
+from .walk import Window, train_window, window_loss
 
 BUDGET_MARGIN = 0.10  # a window's peak may pass the memory budget by this much before a warning
 SKIP_LIMIT = 5  # --on-nan skip: this many non-finite windows in a row stop the run
@@ -117,6 +118,10 @@ class Run:
         self.peak = 0
         self.horizon_used = cfg.horizon
         self.narrowed = self.over_budget = 0  # windows less than exact; windows past the budget
+        self.streak = 0  # non-finite windows in a row (--on-nan skip)
+        self.undo = None  # (position, adapter and optimizer state) at the window's start
+        self.partial: Epoch | None = None  # the epoch row of a run stopped by --iters
+        self.bar = None
         self.first_loss: float | None = None
         self.collapsed: int | None = None  # the window whose loss reached ln(vocabulary)
         if cfg.optimizer != "sgd" and cfg.lr > LR_WARN:
@@ -249,7 +254,6 @@ class Run:
         cfg, total = self.cfg, self.total
         self.bar = report.progress(total, self.position.windows, enabled=cfg.progress)
         self.model.train()
-        self.partial: Epoch | None = None
         try:
             while self.position.epoch < cfg.epochs:
                 order = self.order(self.position.epoch)
@@ -310,7 +314,7 @@ class Run:
     def non_finite(self, example: data.Example, error: NonFinite) -> None:
         p = self.position
         where = f"window {p.windows + 1} (epoch {p.epoch + 1}, {example.where or 'an example'})"
-        self.streak = getattr(self, "streak", 0) + 1
+        self.streak += 1
         if self.cfg.on_nan == "skip" and self.streak < SKIP_LIMIT:
             self.echo(f"warning: {where}: {error}; skipped (--on-nan skip), adapter unchanged")
             self.position = replace(p, index=p.index + 1, windows=p.windows + 1,
@@ -340,7 +344,7 @@ class Run:
                           "so its gradient is not exact (counted in report.json: "
                           "windows_narrowed)")  # fmt: skip
         self.check_collapse(walk.loss, example)
-        budget_bytes = self.cfg.walk_config().device_budget
+        budget_bytes = (self.cfg.memory_budget_mib or 0) * MIB
         if budget_bytes and peak > budget_bytes * (1 + BUDGET_MARGIN):
             self.over_budget += 1
             if self.over_budget == 1:
@@ -415,9 +419,8 @@ class Run:
 
     def _fail(self, error: BaseException, made: NewFolder) -> None:
         if isinstance(error, KeyboardInterrupt):
-            undo = getattr(self, "undo", None)
-            if undo is not None and self.position is undo[0]:  # mid-window: as before it
-                self.restore(undo[1])
+            if self.undo is not None and self.position is self.undo[0]:  # mid-window: undone
+                self.restore(self.undo[1])
             saved = self.folder.complete()
             done = self.position.windows
             if done and (not saved or not saved[-1].name.endswith(f"{done:07d}")):

@@ -14,8 +14,9 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from . import arch
+from .guards import NonFinite, check_ids
 from .plan import PlanError
-from .walk import NonFinite, WalkConfig, Window, check_ids, train_window, window_loss
+from .walk import WalkConfig, Window, train_window, window_loss
 
 
 def window_of(item, max_length: int) -> Window | None:

@@ -30,12 +30,12 @@ from dataclasses import dataclass, replace
 import mlx.core as mx
 import numpy as np
 from mlx import nn
-from mlx.utils import tree_flatten
 
 from . import adapters, arch, budget, layerwise
 from .accum import ACCUMULATOR_DTYPES, Accumulators
 from .attention import Prefix, tiled_attention
 from .delta import fast_recurrence
+from .guards import NonFinite, check_finite, check_ids  # noqa: F401  (NonFinite: raised here)
 from .loss import head_loss, weighted_loss
 from .plan import MIB, Chunk, OutOfMemory, PlanError, cut, plan_window
 from .store import KVStore, check_cache_type
@@ -127,16 +127,6 @@ class Window:
             mx.array(self.targets[start:end])[None],
             mx.array(self.weights[start:end])[None],
         )
-
-
-def check_ids(window: Window, vocab: int) -> None:
-    """Refuse ids the model does not have: MLX would read (or write) out of bounds with them."""
-    for name, ids in (("input", window.inputs), ("target", window.targets)):
-        if len(ids) and (ids.min() < 0 or ids.max() >= vocab):
-            bad = int(ids[(ids < 0) | (ids >= vocab)][0])
-            raise PlanError(
-                f"{name} token id {bad} is outside the model's vocabulary of {vocab} ids"
-            )
 
 
 def _zeros(shape: tuple[int, ...]) -> mx.array:
@@ -466,21 +456,6 @@ class PlainWalk(_ChunkRunner):
                     state = self.decode(chunk, state)
                 self._tick("train", chunk.index + 1, len(chunks))
         return loss, grads
-
-
-class NonFinite(PlanError):
-    """A loss or gradient that is NaN or infinite, found before the step that would apply it."""
-
-
-def check_finite(loss: mx.array, grads: dict, what: str = "") -> None:
-    """Refuse to step on a NaN or infinite loss or gradient, naming which."""
-    value = loss.item()
-    if not np.isfinite(value):
-        raise NonFinite(f"{what}loss is {value}")
-    leaves = tree_flatten(grads)
-    if not mx.all(mx.stack([mx.isfinite(g).all() for _, g in leaves])).item():
-        name = next(k for k, g in leaves if not mx.isfinite(g).all().item())
-        raise NonFinite(f"{what}gradient of {name} is not finite (loss {value:.4f})")
 
 
 def window_loss(model: nn.Module, window: Window, config: WalkConfig, layout=None) -> float:

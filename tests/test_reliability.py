@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 
 from mlxwalk import budget, cli, lora, run, tiny
+from mlxwalk.guards import NonFinite
 from mlxwalk.plan import MIB, OutOfMemory, PlanError
 from mlxwalk.run import TrainConfig, train_run
-from mlxwalk.walk import ExactWalk, NonFinite, WalkConfig, Window, window_gradient
+from mlxwalk.walk import ExactWalk, WalkConfig, Window, window_gradient
 
 from .test_train import chat
 
