@@ -237,7 +237,7 @@ def random_bf16(p: mx.array) -> mx.array:
     )
 
 
-# Realistic shapes with random weights, for the device measurements (scripts/bench-device,
+# Realistic shapes with random weights, for the device measurements (scripts/bench-device.py,
 # scripts/profile-*); `small` shrinks every dimension to check a script on a CPU.
 SHAPES = {
     "qwen2-0.5b": dict(

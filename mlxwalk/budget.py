@@ -134,21 +134,31 @@ def admit(est: Estimate, budget_bytes: int | None, what: str) -> None:
             f"device memory: the walk needs {mib(est.total)} at least (weights "
             f"{mib(est.weights)}, adapter and optimizer {mib(est.adapter)}, K/V store "
             f"{mib(est.store)}, accumulators {mib(est.accumulators)}, checkpoints "
-            f"{mib(est.checkpoints)}, one chunk's graph {mib(est.graph)}"
+            f"{mib(est.checkpoints)}, one chunk's graph "
+            + (mib(est.graph) if est.graph else "not counted")
             + (f", other arrays {mib(est.resident)}" if est.resident else "")
             + f") but the memory budget is {mib(budget_bytes)}; {what}"
         )
 
 
-_probes: dict[tuple[int, int, bool], tuple[weakref.ref, Activations]] = {}
+_probes: dict[tuple, tuple[weakref.ref, Activations]] = {}
 
 
-def probe(model, chunk: int, recompute: bool = False) -> Activations:
+def probe_key(model, chunk: int, recompute: bool, attention: str) -> tuple:
+    """Everything that changes a probe's result: the model object, the chunk, recompute, the
+    attention path, and the trainable parameters (which adapters, at which shapes and dtypes)."""
+    from mlx.utils import tree_flatten
+
+    trainable = tuple((k, tuple(v.shape), str(v.dtype))
+                      for k, v in tree_flatten(model.trainable_parameters()))  # fmt: skip
+    return id(model), chunk, recompute, attention, hash(trainable)
+
+
+def probe(model, chunk: int, recompute: bool = False, attention: str = "auto") -> Activations:
     """Measure one chunk's graph at this chunk size: a window of one chunk (no prefix), then one
     whose last chunk reads a prefix two attention tiles long, tapped whole and tapped over one
-    chunk only. Cached per model, chunk and recompute (a probe belongs to the model object it
-    measured)."""
-    key = (id(model), chunk, recompute)
+    chunk only. Cached per `probe_key` (a probe belongs to the model object it measured)."""
+    key = probe_key(model, chunk, recompute, attention)
     ref, acts = _probes.get(key, (None, None))
     if ref is None or ref() is not model:  # an id is reused once its model is gone
         from . import arch
@@ -163,7 +173,7 @@ def probe(model, chunk: int, recompute: bool = False) -> Activations:
             peak = live_peak(
                 lambda: window_gradient(
                     model, ids[:n], ids[1 : n + 1], np.ones(n), chunk=chunk, recompute=recompute,
-                    horizon=horizon,
+                    horizon=horizon, attention=attention,
                 )
             )  # fmt: skip
             return peak - 2 * n * width

@@ -47,16 +47,7 @@ def parser() -> argparse.ArgumentParser:
     t.set_defaults(run=_test_walk_exact)
 
     p_plan = sub.add_parser("plan", help="what a walk will need, and whether it fits")
-    p_plan.add_argument("--model", "-m", default=tiny.DEFAULT_MODEL)
-    p_plan.add_argument("--window", type=int, required=True)
-    p_plan.add_argument("--chunk", type=int, required=True)
-    p_plan.add_argument("--horizon", type=int, default=0)
-    p_plan.add_argument("--cache-type", default="float32")
-    p_plan.add_argument("--memory-budget-mib", type=float)
-    p_plan.add_argument("--host-budget-mib", type=float)
-    p_plan.add_argument("--rank", type=int, default=8)
-    p_plan.add_argument("--num-layers", type=int, default=16)
-    p_plan.add_argument("--recompute", action="store_true")
+    add_flags(p_plan, plan=True)
     p_plan.set_defaults(run=_plan)
     return p
 

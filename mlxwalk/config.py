@@ -4,7 +4,7 @@ refusal naming the flag at fault."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from . import adapters, data, tiny
 from .plan import PlanError
@@ -12,6 +12,7 @@ from .store import check_cache_type
 from .walk import WalkConfig
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
+SCHEDULES = ("cosine_decay", "linear_schedule")
 ON_NAN = ("stop", "skip")
 KINDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}
 
@@ -68,38 +69,65 @@ def choice(name: str, value, allowed) -> None:
         raise PlanError(f"{flag(name)} {value!r} is unknown; choose {' or '.join(allowed)}")
 
 
+def option(default, help: str, **kw):
+    """A field of TrainConfig: its default and its help, read by every place that shows it (the
+    `mlxwalk train` and `mlxwalk plan` flags, the YAML keys, the report)."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
+
 @dataclass
 class TrainConfig:
-    model: str = tiny.DEFAULT_MODEL
-    data: str | None = None  # a folder with train.jsonl (and valid.jsonl); None = bundled sample
-    walk: str = "exact"
-    window: int | None = None  # None: the longest example, rounded up to the chunk
-    chunk: int = 512
-    horizon: int = 0
-    cache_type: str = "float32"
-    host_budget_mib: float | None = None
-    memory_budget_mib: float | None = None
-    recompute: bool = False
-    epochs: int = 3
-    iters: int | None = None  # stop after this many windows (mlx-lm's --iters)
-    lr: float = 1e-4
-    optimizer: str = "adam"
-    rank: int = 8
-    scale: float = 20.0
-    dropout: float = 0.0
-    num_layers: int = 16
-    targets: list[str] | None = None
-    seed: int = 0
-    adapter_path: str | None = None  # None: runs/<model>-<time>
-    save_every: int = 0  # windows between checkpoints; 0 = at each epoch's end only
-    resume: bool = False
-    overwrite: bool = False  # replace another run in adapter_path
-    on_nan: str = "stop"  # a NaN or infinite loss or gradient: stop, or skip the window
-    val_split: float = 0.1  # used only when the data has no valid.jsonl
-    fit: str = "left"
-    mask_prompt: bool = True
-    follow_runs: bool = False  # chunks may cross turns: a chat's short turns make small chunks
-    progress: bool = True
+    model: str = option(tiny.DEFAULT_MODEL, "a model folder, a bundled model, or a hub id in the "
+                        "local cache", plan=True)  # fmt: skip
+    data: str | None = option(None, "a folder with train.jsonl and optionally valid.jsonl "
+                              "(default: a sample)")  # fmt: skip
+    walk: str = option("exact", "exact (one step per window) or plain (one step per chunk)")
+    window: int | None = option(None, "positions per window (default: the longest example, "
+                                "rounded up to the chunk)", plan=True)  # fmt: skip
+    chunk: int = option(512, "positions per chunk", plan=True)
+    horizon: int = option(0, "prefix positions each chunk sends gradient to (0 = the whole "
+                          "window)", plan=True)  # fmt: skip
+    cache_type: str = option("float32", "K/V store: float32, float16, bfloat16 or q8", plan=True)
+    host_budget_mib: float | None = option(None, "accumulators + checkpoints", plan=True)
+    memory_budget_mib: float | None = option(None, "all the run holds in MLX's memory: refused "
+                                             "or held to it", plan=True)  # fmt: skip
+    recompute: bool = option(False, "activation checkpointing inside each chunk's graph",
+                             plan=True)  # fmt: skip
+    strict_exact: bool = option(False, "refuse a window the memory budget fits only with a "
+                                "narrowed horizon (not exact)")  # fmt: skip
+    epochs: int = option(3, "passes over the training windows")
+    iters: int | None = option(None, "stop after this many windows")
+    lr: float = option(1e-4, "learning rate (the peak, with a schedule)")
+    lr_schedule: str | None = option(None, "none (constant), cosine_decay or linear_schedule "
+                                     "(to 0 at the run's last step)")  # fmt: skip
+    warmup: int = option(0, "steps of linear warmup from 0 to --lr")
+    grad_clip: float | None = option(None, "clip each step's gradient to this global L2 norm")
+    optimizer: str = option("adam", "adam, adamw or sgd")
+    weight_decay: float | None = option(None, "the optimizer's weight decay (adamw, sgd)")
+    rank: int = option(8, "LoRA rank", plan=True)
+    scale: float = option(20.0, "LoRA scale")
+    dropout: float = option(0.0, "LoRA dropout")
+    num_layers: int = option(16, "layers (from the last) that get adapters; -1 = all", plan=True)
+    targets: list[str] | None = option(None, "module keys within a layer to adapt (default: "
+                                       "mlx-lm's choice)")  # fmt: skip
+    seed: int = option(0, "random seed: the adapter's start, the data order, dropout")
+    adapter_path: str | None = option(None, "folder for the adapter, checkpoints and report "
+                                      "(default: runs/<model>-<time>)")  # fmt: skip
+    save_every: int = option(0, "windows between checkpoints (0 = each epoch's end)")
+    steps_per_eval: int = option(0, "windows between evaluations (0 = each epoch's end only)")
+    resume: bool = option(False, "continue the run in the adapter path from its newest checkpoint")
+    overwrite: bool = option(False, "replace another run in the adapter path")
+    on_nan: str = option("stop", "a NaN or infinite loss or gradient: stop, or skip the window")
+    val_split: float = option(0.1, "fraction of train.jsonl held out when there is no "
+                              "valid.jsonl")  # fmt: skip
+    fit: str = option("left", "an over-long example keeps its left part, or its start and end "
+                      "(middle)")  # fmt: skip
+    mask_prompt: bool = option(True, "prompts and other turns are context, not labels", flag=False)
+    follow_runs: bool = option(False, "no chunk crosses a change of label (the plan's strict "
+                               "rule)")  # fmt: skip
+    progress: bool = option(True, "a progress bar per window", flag=False)
 
     def check(self) -> TrainConfig:
         for f in fields(self):  # a YAML file gives strings for some numbers ("1e-5") or worse
@@ -107,6 +135,8 @@ class TrainConfig:
         if self.walk not in ("exact", "plain"):
             raise PlanError(f"walk {self.walk!r} cannot train; choose exact or plain")
         choice("optimizer", self.optimizer, OPTIMIZERS)
+        if self.lr_schedule is not None:
+            choice("lr_schedule", self.lr_schedule, SCHEDULES)
         choice("fit", self.fit, data.FITS)
         choice("on_nan", self.on_nan, ON_NAN)
         for name in ("epochs", "chunk", "window", "iters", "rank"):
@@ -114,9 +144,15 @@ class TrainConfig:
         at_least("horizon", self.horizon, 0, " (0 = the whole window)")
         at_least("seed", self.seed, 0)
         at_least("save_every", self.save_every, 0, " (0 = at each epoch's end)")
+        at_least("steps_per_eval", self.steps_per_eval, 0, " (0 = at each epoch's end)")
+        at_least("warmup", self.warmup, 0)
         layers(self.num_layers)
-        for name in ("lr", "scale", "host_budget_mib", "memory_budget_mib"):
+        for name in ("lr", "scale", "host_budget_mib", "memory_budget_mib", "grad_clip"):
             positive(name, getattr(self, name))
+        if self.weight_decay is not None and not 0 <= self.weight_decay < 1:
+            raise PlanError(f"--weight-decay must be in [0, 1), got {self.weight_decay}")
+        if self.weight_decay and self.optimizer == "adam":
+            raise PlanError("--weight-decay: adam has none; use --optimizer adamw")
         if not 0 <= self.dropout < 1:
             raise PlanError(f"--dropout must be in [0, 1), got {self.dropout}")
         if not 0 <= self.val_split < 1:
@@ -144,4 +180,5 @@ class TrainConfig:
             memory_budget_mib=self.memory_budget_mib,
             seed=seed,
             follow_runs=self.follow_runs,
+            strict_exact=self.strict_exact,
         ).check()

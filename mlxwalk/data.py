@@ -5,8 +5,10 @@ Formats (one JSON object per line, in `train.jsonl` and optionally `valid.jsonl`
   completions  {"prompt": ..., "completion": ...}      the prompt is context (see mask_prompt)
   chat         {"messages": [...], "tools": [...]}     assistant turns are labelled; any message
                                                         with "train": false stays context
-Chat is rendered through the tokenizer's chat template, prefix by prefix, to find each message's
-tokens; a template whose rendering of a prefix is not a prefix of the whole is refused.
+A chat is rendered whole through the tokenizer's chat template; each assistant turn is found in
+that rendering (`turn_span`), so templates that render a final turn differently (Qwen3's empty
+think block) or add text of their own (a date, a default system prompt) are labelled as the model
+sees them, and a turn that truly cannot be placed is refused by file, line and message.
 An example longer than the window is cut (`fit`: "left" keeps its start, "middle" keeps its start
 and its end and drops the middle). A row with no labelled token is skipped; an example that loses
 all its labels to the cut is cut away. All three are counted, with the rows' file:line.
@@ -209,34 +211,124 @@ def _encode(tokenizer, text: str, where: str) -> list[int]:
         return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
 
 
-def _render(tokenizer, messages, tools, where: str, generation_prompt: bool = False) -> list[int]:
+def _render(tokenizer, messages, tools, where: str, generation_prompt: bool = False) -> str:
     with _naming(where, "the chat template failed"):
         text = tokenizer.apply_chat_template(
             messages, tools=tools or None, tokenize=False, add_generation_prompt=generation_prompt
         )
     if not isinstance(text, str):
         raise DataError(f"{where}: the chat template gave {_kind(text)}, not text")
-    return _encode(tokenizer, text, where)
+    return text
+
+
+def _common(a: str, b: str) -> int:
+    """The length of the longest common prefix of a and b."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if a[:mid] == b[:mid] else (lo, mid)
+    return lo
+
+
+def turn_span(whole: str, head: str, before: str, upto: str, anchors: list[str]) -> tuple[int, int]:
+    """Where one assistant turn lies in the whole conversation's rendering, in characters.
+
+    head:   the conversation before the turn, with the generation prompt; before: without it;
+    upto:   the conversation ending with the turn (rendered as the last turn);
+    anchors: text the turn must hold (its content, its tool calls' names).
+    The turn starts where `head` leaves `whole` (never inside what precedes the generation
+    prompt). Its rendering as the last turn, `upto` past that point, may open with text the
+    template gives only a final turn (Qwen3's empty think block): the turn ends where the longest
+    tail of that rendering holding every anchor is found in `whole`, no further from the start
+    than the text it skipped. Raises ValueError saying why when there is no such place."""
+    start = _common(head, whole)
+    if start < _common(head, before):
+        raise ValueError("the conversation before it renders differently in the whole")
+    last = upto[_common(head, upto) :]  # the turn as rendered when it is last
+    for skip in range(len(last) + 1):
+        tail = last[skip:]
+        if not all(a in tail for a in anchors):
+            break
+        at = whole.find(tail, start, start + skip + len(tail))
+        if at != -1 and (tail or at == start):
+            return start, at + len(tail)
+    raise ValueError("its rendering in the whole conversation matches none of its rendering "
+                     "as the last turn")  # fmt: skip
+
+
+def _offsets(tokenizer, text: str, where: str) -> tuple[list[int], list[int] | None]:
+    """Token ids of `text` (no special tokens added) and each token's first character, where
+    the tokenizer reports offsets (Hugging Face's fast tokenizers do)."""
+    ids = _encode(tokenizer, text, where)
+    fast = getattr(tokenizer, "_tokenizer", tokenizer)
+    try:
+        enc = fast(text, add_special_tokens=False, return_offsets_mapping=True)
+        if [int(t) for t in enc["input_ids"]] == ids:
+            return ids, [int(a) for a, _ in enc["offset_mapping"]]
+    except Exception:  # a slow tokenizer: no offsets
+        pass
+    return ids, None
+
+
+def _positions(tokenizer, text: str, ids, starts, span, where) -> tuple[int, int]:
+    """The span of characters as token positions: tokens that start inside it."""
+    a, b = span
+    if starts is not None:
+        first = next((t for t, s in enumerate(starts) if s >= a), len(ids))
+        end = next((t for t, s in enumerate(starts) if s >= b), len(ids))
+        return first, end
+    head, upto = _encode(tokenizer, text[:a], where), _encode(tokenizer, text[:b], where)
+    if ids[: len(upto)] != upto or upto[: len(head)] != head:
+        raise DataError(f"{where}: a turn's edge falls inside a token, and the tokenizer gives "
+                        "no offsets to place it")  # fmt: skip
+    return len(head), len(upto)
+
+
+def _call_name(call: dict) -> str:
+    function = call.get("function", call)
+    return str(function.get("name", "")) if isinstance(function, dict) else ""
+
+
+def with_bos(tokenizer, ids: list[int]) -> list[int]:
+    """`ids` with the BOS token in front where the tokenizer adds one when it encodes (as
+    mlx-lm's text datasets and its generation do), never twice."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None or (ids and ids[0] == bos):
+        return ids
+    try:
+        adds = tokenizer.encode("a")[:1] == [bos]
+    except Exception:
+        adds = False
+    return [bos, *ids] if adds else ids
 
 
 def chat_example(tokenizer, messages: list[dict], tools=None, where: str = "") -> Example:
-    """Token ids of the whole conversation; each trainable assistant turn labelled."""
+    """Token ids of the whole conversation; each trainable assistant turn labelled where it lies
+    in the whole rendering (`turn_span`), so templates that render a final turn differently
+    label every turn as the model sees it."""
     if not messages:  # nothing to render or train on: skipped, like any unlabelled row
         return Example([], [], where)
     clean = [{k: v for k, v in m.items() if k != "train"} for m in messages]
-    ids = _render(tokenizer, clean, tools, where)
+    whole = _render(tokenizer, clean, tools, where)
+    ids, starts = _offsets(tokenizer, whole, where)
     labels = [0.0] * len(ids)
     for i, m in enumerate(messages):
         if m.get("role") != "assistant" or m.get("train", True) is False:
             continue
-        head = _render(tokenizer, clean[:i], tools, where, generation_prompt=True) if i else []
+        head = _render(tokenizer, clean[:i], tools, where, generation_prompt=True) if i else ""
+        before = _render(tokenizer, clean[:i], tools, where) if i else ""
         upto = _render(tokenizer, clean[: i + 1], tools, where)
-        if ids[: len(upto)] != upto or upto[: len(head)] != head:
-            raise DataError(
-                f"{where}: the chat template does not render prefix-stably (the conversation up "
-                f"to message {i} is not a prefix of the whole), so turns can't be labelled"
-            )
-        for t in range(len(head), len(upto)):
+        anchors = [m["content"].strip()] if isinstance(m.get("content"), str) else []
+        anchors += [_call_name(c) for c in m.get("tool_calls") or []]
+        try:
+            span = turn_span(whole, head, before, upto, [a for a in anchors if a])
+        except ValueError as e:
+            raise DataError(f"{where}: message {i} (assistant) can't be labelled: {e}") from None
+        first, end = _positions(tokenizer, whole, ids, starts, span, where)
+        for t in range(first, end):
             labels[t] = 1.0
     return Example(ids, labels, where)
 
@@ -295,8 +387,11 @@ def _completion_example(tokenizer, row: dict, where: str, mask_prompt: bool) -> 
         if not mask_prompt:
             ex.labels = [1.0] * len(ex.labels)
         return ex
-    prompt = _encode(tokenizer, row["prompt"], where)
+    prompt = with_bos(tokenizer, _encode(tokenizer, row["prompt"], where))
     completion = _encode(tokenizer, row["completion"], where)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is not None and completion[-1:] != [eos]:
+        completion.append(eos)
     labels = [0.0 if mask_prompt else 1.0] * len(prompt) + [1.0] * len(completion)
     return Example(prompt + completion, labels, where)
 
@@ -310,9 +405,9 @@ def to_example(tokenizer, row: dict, where: str, mask_prompt: bool = True) -> Ex
         if "prompt" in row and "completion" in row:
             return _completion_example(tokenizer, row, where, mask_prompt)
         if "text" in row:
-            ids = _encode(tokenizer, row["text"], where)
+            ids = with_bos(tokenizer, _encode(tokenizer, row["text"], where))
             eos = getattr(tokenizer, "eos_token_id", None)
-            if eos is not None:
+            if eos is not None and ids[-1:] != [eos]:
                 ids.append(eos)
             return Example(ids, [1.0] * len(ids), where)
     raise DataError(f"{where}: expected 'text', 'prompt' and 'completion', or 'messages'")

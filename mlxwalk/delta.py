@@ -34,7 +34,7 @@ CHUNK: int | None = None  # positions per chunk; None: chunk_size() picks by bac
 def chunk_size() -> int:
     """64 on the CPU, 256 on a GPU. Longer chunks trade arithmetic (c^2 per chunk) for fewer steps
     of the sequential walk; on the CPU the arithmetic dominates, on a GPU the per-step kernel
-    launches do (scripts/bench-delta --chunks, docs/BENCHMARKS.md)."""
+    launches do (scripts/bench-delta.py --chunks, docs/BENCHMARKS.md)."""
     if CHUNK is not None:
         return CHUNK
     return 256 if mx.default_device() == mx.gpu else 64

@@ -14,7 +14,7 @@ class ModelNotFound(FileNotFoundError):
 
 def resolve(model: str) -> Path:
     """The local folder for `model`."""
-    if model in tiny.MODELS:
+    if model in tiny.MODELS or model in tiny.FAMILIES:
         return tiny.path(model)
     path = Path(model).expanduser()
     if path.exists():
@@ -33,11 +33,13 @@ def resolve(model: str) -> Path:
     raise ModelNotFound(f"model {model!r} is not a bundled model, a local folder or a hub id")
 
 
-def load(model: str, adapter_path: str | None = None):
+def load(model: str, adapter_path: str | None = None, trust_remote_code: bool = False):
     """(model, tokenizer) through mlx_lm.load, from a local folder."""
     import mlx_lm
 
-    return mlx_lm.load(str(resolve(model)), adapter_path=adapter_path)
+    return mlx_lm.load(str(resolve(model)), adapter_path=adapter_path,
+                       tokenizer_config={"trust_remote_code": trust_remote_code},
+                       trust_remote_code=trust_remote_code)  # fmt: skip
 
 
 def fingerprint(model) -> str:

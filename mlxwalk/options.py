@@ -10,60 +10,49 @@ from pathlib import Path
 from .config import TrainConfig
 from .plan import PlanError
 
-FLAGS = {  # name: (type, help); booleans are store_true
-    "model": (str, "a model folder, a bundled model, or a hub id in the local cache"),
-    "data": (str, "a folder with train.jsonl and optionally valid.jsonl (default: a sample)"),
-    "walk": (str, "exact (one step per window) or plain (one step per chunk)"),
-    "window": (int, "positions per window (default: the longest example, rounded to chunk)"),
-    "chunk": (int, "positions per chunk"),
-    "horizon": (int, "prefix positions each chunk sends gradient to (0 = the whole window)"),
-    "cache_type": (str, "K/V store: float32, float16, bfloat16 or q8"),
-    "host_budget_mib": (float, "accumulators + checkpoints"),
-    "memory_budget_mib": (float, "all the run holds in MLX's memory: refused or held to it"),
-    "recompute": (bool, "activation checkpointing inside each chunk's graph"),
-    "epochs": (int, "passes over the training windows"),
-    "iters": (int, "stop after this many windows"),
-    "lr": (float, "learning rate"),
-    "optimizer": (str, "adam, adamw or sgd"),
-    "rank": (int, "LoRA rank"),
-    "scale": (float, "LoRA scale"),
-    "dropout": (float, "LoRA dropout"),
-    "num_layers": (int, "layers (from the last) that get adapters; -1 = all"),
-    "targets": (list, "module keys within a layer to adapt (default: mlx-lm's choice)"),
-    "seed": (int, "random seed"),
-    "adapter_path": (str, "folder for the adapter, checkpoints and report"),
-    "save_every": (int, "windows between checkpoints (0 = each epoch's end)"),
-    "resume": (bool, "continue the run in the adapter path from its newest checkpoint"),
-    "overwrite": (bool, "replace another run in the adapter path"),
-    "on_nan": (str, "a NaN or infinite loss or gradient: stop (default) or skip the window"),
-    "val_split": (float, "fraction of train.jsonl held out when there is no valid.jsonl"),
-    "fit": (str, "an over-long example keeps its left part, or its start and end (middle)"),
-    "follow_runs": (bool, "no chunk crosses a change of label (the plan's strict rule)"),
-}
+
+def flags(plan: bool = False) -> dict[str, tuple[str, str]]:
+    """TrainConfig's fields that are flags: name -> (its type as text, its help); `plan`: those
+    `mlxwalk plan` takes."""
+    return {
+        f.name: (str(f.type), f.metadata["help"])
+        for f in fields(TrainConfig)
+        if f.metadata.get("flag", True) and (f.metadata.get("plan") or not plan)
+    }
 
 
-def add_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-c", "--config", help="a YAML file of these options")
-    for name, (kind, text) in FLAGS.items():
+def add_flags(p: argparse.ArgumentParser, plan: bool = False) -> None:
+    """One flag per option (no default here: an unset flag leaves the YAML's value or the
+    dataclass's default in place)."""
+    if not plan:
+        p.add_argument("-c", "--config", help="a YAML file of these options")
+    defaults = TrainConfig()
+    for name, (kind, text) in flags(plan).items():
         flag = "--" + name.replace("_", "-")
-        if kind is bool:
+        shown = getattr(defaults, name)
+        text = text + (f" (default {shown})" if shown not in (None, False) else "")
+        if kind == "bool":
             p.add_argument(flag, action="store_true", default=None, help=text)
-        elif kind is list:
+        elif kind.startswith("list"):
             p.add_argument(flag, nargs="+", default=None, help=text)
         else:
-            p.add_argument(flag, type=kind, default=None, help=text)
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+            base = {"int": int, "float": float}.get(kind.split("|")[0].strip(), str)
+            p.add_argument(flag, type=base, default=None, help=text)
+    if not plan:
+        p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def read_mapping(path: str, known: set[str]) -> dict:
-    """A YAML file of options; a key not in `known` is refused (dashes read as underscores)."""
+    """A YAML file of options, numbers read as mlx-lm reads them (1e-5 is a float, not a
+    string); a key not in `known` is refused (dashes read as underscores)."""
     import yaml
+    from mlx_lm.lora import yaml_loader
 
     file = Path(path)
     if not file.exists():
         raise PlanError(f"config file {file} does not exist")
     try:
-        values = yaml.safe_load(file.read_text()) or {}
+        values = yaml.load(file.read_text(), yaml_loader) or {}
     except yaml.YAMLError as e:
         raise PlanError(f"{file}: not valid YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(values, dict):
@@ -81,7 +70,7 @@ def read_yaml(path: str) -> dict:
 
 def config_from(args: argparse.Namespace) -> TrainConfig:
     values = read_yaml(args.config) if args.config else {}
-    values.update({k: v for k in FLAGS if (v := getattr(args, k)) is not None})
+    values.update({k: v for k in flags() if (v := getattr(args, k)) is not None})
     if args.no_progress:
         values["progress"] = False
     return TrainConfig(**values)

@@ -3,8 +3,8 @@
 A window's weights (1 = labelled, 0 = context) split into maximal runs of equal weight; each run is
 cut into chunks of at most ``chunk`` positions; with ``follow_runs`` no chunk crosses a run (off in
 training, where a chat's short turns would make many small chunks). Nothing after the last
-labelled position is computed. The exact walk marks each chunk (needed, grad_from, loss_scale,
-period_end), and the plan sizes the host memory the walk will hold (K/V gradient accumulators and
+labelled position is computed. The exact walk marks each chunk (needed, grad_from), and the
+plan sizes the host memory the walk will hold (K/V gradient accumulators and
 recurrent checkpoints), choosing the checkpoint stride a host budget allows, or refusing the window.
 
 This module imports no array library, so it can be tested without a model and shared by backends.
@@ -51,8 +51,6 @@ class Chunk:
     weight: float  # sum of the weights in [start, end)
     needed: bool = True  # the reverse pass trains it
     grad_from: int = 0  # first prefix position whose K/V is tapped
-    loss_scale: float = 0.0  # weight / window weight: the chunk losses sum to the window's
-    period_end: bool = False  # the chunk the reverse pass trains last: it takes the step
 
     @property
     def size(self) -> int:
@@ -81,10 +79,6 @@ class Plan:
     @property
     def host_bytes(self) -> int:
         return self.accumulator_bytes + self.checkpoint_bytes
-
-    @property
-    def weight(self) -> float:
-        return sum(c.weight for c in self.chunks)
 
     def reverse(self) -> list[Chunk]:
         """The chunks the reverse pass trains, last to first."""
@@ -135,7 +129,6 @@ def mark(chunks: Sequence[Chunk], horizon: int, recurrent: bool) -> list[Chunk]:
     A chunk is needed when it is labelled, or a later needed chunk reads its K/V inside the horizon,
     or (recurrent models) a later needed chunk starts from its state.
     """
-    total = sum(c.weight for c in chunks)
     marked: list[Chunk] = []
     reach = math.inf  # smallest grad_from among the needed chunks after this one
     later_needed = False
@@ -145,10 +138,8 @@ def mark(chunks: Sequence[Chunk], horizon: int, recurrent: bool) -> list[Chunk]:
         if needed:
             reach = min(reach, gf)
             later_needed = True
-        marked.append(replace(c, needed=needed, grad_from=gf, loss_scale=c.weight / total))
+        marked.append(replace(c, needed=needed, grad_from=gf))
     marked.reverse()
-    first = next(c.index for c in marked if c.needed)
-    marked[first] = replace(marked[first], period_end=True)
     return marked
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import adapters, arch, budget
-from .plan import OutOfMemory, mib
+from .plan import OutOfMemory, PlanError, mib
 from .store import check_cache_type
 from .walk import ExactWalk, WalkConfig, Window
 
@@ -26,11 +26,13 @@ def report(model, name: str, window: int, config: WalkConfig, echo=print) -> boo
         return False
     plan = walk.plan
     echo(f"  {len(plan.chunks)} chunks, checkpoint stride {plan.stride}")
-    est = walk.estimate or budget.estimate(
-        model, layout, budget.probe(model, config.chunk, config.recompute), plan, config.cache_type
-    )
+    # Without a budget nothing is probed: the graph's share is measured only when it matters.
+    unmeasured = budget.Activations(config.chunk, 0.0, 0.0)
+    est = walk.estimate or budget.estimate(model, layout, unmeasured, plan, config.cache_type)
     for line in est.lines():
         echo(line)
+    if walk.estimate is None:
+        echo("  (one chunk's graph is measured, and counted, under --memory-budget-mib)")
     host = config.host_budget
     echo(f"host: {mib(est.host)} needed, budget {mib(host) if host else 'none'}: fits")
     device = config.device_budget
@@ -46,9 +48,16 @@ def report(model, name: str, window: int, config: WalkConfig, echo=print) -> boo
 
 
 def check(args) -> None:
-    """The plan's options, range-checked before the model loads, each refusal naming its flag."""
-    from .config import at_least, layers, positive
+    """The plan's options (TrainConfig's defaults where not given), range-checked before the
+    model loads, each refusal naming its flag."""
+    from .config import TrainConfig, at_least, layers, positive
 
+    defaults = TrainConfig()
+    for name in vars(args):
+        if getattr(args, name) is None and hasattr(defaults, name) and name != "window":
+            setattr(args, name, getattr(defaults, name))
+    if args.window is None:
+        raise PlanError("--window is required: the positions the walk will cover")
     for name in ("window", "chunk", "rank"):
         at_least(name, getattr(args, name), 1)
     at_least("horizon", args.horizon, 0, " (0 = the whole window)")
@@ -71,6 +80,6 @@ def run(args) -> int:
         cache_type=args.cache_type,
         host_budget_mib=args.host_budget_mib,
         memory_budget_mib=args.memory_budget_mib,
-        recompute=args.recompute,
+        recompute=bool(args.recompute),
     ).check()
     return 0 if report(model, args.model, args.window, config) else 1

@@ -29,9 +29,11 @@ class Progress:
         if self.live:
             self.bar.set_postfix_str(f"{phase} chunk {done}/{of}{self.last}", refresh=True)
 
-    def window(self, loss: float, tok_s: float, mem_mib: float) -> None:
+    def window(self, loss: float, tok_s: float, mem_mib: float, narrowed: int | None = None):
+        """One window done; `narrowed`: the horizon the memory budget cut it to (not exact)."""
         self.done += 1
-        self.last = f" | loss {loss:.3f}, {tok_s:,.0f} tok/s, {mem_mib:,.0f} MiB"
+        cut = f", horizon narrowed to {narrowed} (not exact)" if narrowed is not None else ""
+        self.last = f" | loss {loss:.3f}, {tok_s:,.0f} tok/s, peak {mem_mib:,.0f} MiB{cut}"
         self.bar.update(1)
         self.bar.set_postfix_str(self.last.lstrip(" |"), refresh=True)
         if self.lines:
@@ -48,8 +50,12 @@ def progress(total: int, initial: int = 0, enabled: bool = True) -> Progress:
 def epoch_line(e) -> str:
     ev = "n/a" if e.eval_loss is None else f"{e.eval_loss:.4f}"
     part = f" (partial: {e.windows} windows, stopped by --iters)" if e.partial else ""
+    cut = ""
+    if e.windows_narrowed:
+        cut = (f"; {e.windows_narrowed} window(s) not exact: the memory budget narrowed the "
+               f"horizon to as few as {e.smallest_horizon} positions")  # fmt: skip
     return (f"epoch {e.epoch}{part}: train_loss {e.train_loss:.4f}, eval_loss {ev}, "
-            f"{e.seconds:.1f} s, {e.train_tok_s:,.0f} tok/s")  # fmt: skip
+            f"{e.seconds:.1f} s, {e.train_tok_s:,.0f} tok/s{cut}")  # fmt: skip
 
 
 def table(epochs: list[dict]) -> str:
@@ -64,19 +70,34 @@ def table(epochs: list[dict]) -> str:
     return "\n".join(rows)
 
 
-def plot(epochs: list[dict], file) -> None:
+def plot(epochs: list[dict], file, window_losses=None, evals_between=None) -> None:
+    """Training loss per window (epochs marked by vertical lines) and eval loss at each epoch's
+    end; without per-window losses, the epochs' mean training loss."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(5, 3.2), dpi=120)
-    xs = [e["epoch"] for e in epochs]
-    ax.plot(xs, [e["train_loss"] for e in epochs], marker="o", label="train")
-    if any(e["eval_loss"] is not None for e in epochs):
-        ax.plot(xs, [e["eval_loss"] for e in epochs], marker="s", label="eval")
-    ax.set_xlabel("epoch")
-    ax.set_ylabel("loss")
+    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=120)
+    ends, at = [], 0
+    for e in epochs:
+        at += e.get("windows") or 0
+        ends.append(at)
+    if window_losses:
+        ax.plot(range(1, len(window_losses) + 1), window_losses, lw=1, label="train (per window)")
+        for x in ends[:-1] if ends and ends[-1] >= len(window_losses) else ends:
+            ax.axvline(x + 0.5, color="0.8", lw=0.8, zorder=0)
+    else:
+        ends = [e["epoch"] for e in epochs]
+        ax.plot(ends, [e["train_loss"] for e in epochs], marker="o", label="train (epoch mean)")
+    evals = [(x, e["eval_loss"]) for x, e in zip(ends, epochs) if e["eval_loss"] is not None]
+    if window_losses and evals_between:
+        evals = sorted([*evals, *map(tuple, evals_between)])
+    if evals:
+        ax.plot(*zip(*evals), marker="s", label="eval")
+    ax.set_xlabel("window" if window_losses else "epoch")
+    ax.set_ylabel("loss (mean cross-entropy per labelled token)")
+    ax.set_title("training and eval loss")
     ax.legend()
     fig.tight_layout()
     fig.savefig(file, format="png")
@@ -88,5 +109,5 @@ def write(folder: Path, summary: dict) -> None:
     atomic_write(Path(folder) / "report.json", lambda p: Path(p).write_text(text))
     if summary["epochs"]:  # drawn in memory first: the temporary file lives only for the write
         png = io.BytesIO()
-        plot(summary["epochs"], png)
+        plot(summary["epochs"], png, summary.get("window_losses"), summary.get("evals_between"))
         atomic_write(Path(folder) / "loss.png", lambda p: Path(p).write_bytes(png.getvalue()))

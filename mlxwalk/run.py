@@ -48,6 +48,8 @@ class Epoch:
     train_tok_s: float
     windows: int = 0
     partial: bool = False  # stopped by --iters before the epoch's end
+    windows_narrowed: int = 0  # windows whose horizon the memory budget narrowed (not exact)
+    smallest_horizon: int | None = None  # the narrowest horizon one of them used
 
 
 def max_positions(model) -> int | None:
@@ -73,12 +75,26 @@ def writable(folder: Path) -> Path:
     return folder
 
 
-def make_optimizer(cfg: TrainConfig):
+def make_optimizer(cfg: TrainConfig, steps: int):
+    """The optimizer, its weight decay, and the learning rate: constant, or mlx-lm's schedule
+    (build_schedule) decaying to 0 over `steps`, after `warmup` steps rising from 0."""
+    from mlx_lm.tuner.utils import build_schedule
+
+    lr = cfg.lr
+    if cfg.lr_schedule == "cosine_decay":
+        lr = build_schedule({"name": "cosine_decay", "arguments": [cfg.lr, max(steps, 1)],
+                             "warmup": cfg.warmup})  # fmt: skip
+    elif cfg.lr_schedule == "linear_schedule":
+        lr = build_schedule({"name": "linear_schedule", "arguments": [cfg.lr, 0.0, max(steps, 1)],
+                             "warmup": cfg.warmup})  # fmt: skip
+    elif cfg.warmup:
+        lr = optim.linear_schedule(0.0, cfg.lr, cfg.warmup)
+    decay = {} if cfg.weight_decay is None else {"weight_decay": cfg.weight_decay}
     if cfg.optimizer == "sgd":
-        return optim.SGD(learning_rate=cfg.lr)
+        return optim.SGD(learning_rate=lr, **decay)
     if cfg.optimizer == "adamw":
-        return optim.AdamW(learning_rate=cfg.lr)
-    return optim.Adam(learning_rate=cfg.lr)
+        return optim.AdamW(learning_rate=lr, **decay)
+    return optim.Adam(learning_rate=lr)
 
 
 def say(*args) -> None:
@@ -112,7 +128,7 @@ class Run:
         self.train_set, self.valid_set = self._load(data_folder)
         mx.random.seed(cfg.seed)
         adapters.apply(self.model, cfg.lora())
-        self.optimizer = make_optimizer(cfg)
+        self.optimizer = make_optimizer(cfg, self.steps())
         self.optimizer.init(self.model.trainable_parameters())
         self.position = Position()
         self.peak = 0
@@ -205,6 +221,8 @@ class Run:
                     else f"the {p.windows} windows --iters asks for")  # fmt: skip
             raise PlanError(f"--resume: the run in {self.out} has already trained {done}; raise "
                             "--epochs or --iters to train on")  # fmt: skip
+        if self.cfg.lr_schedule or self.cfg.warmup:  # the schedule goes on from the saved step
+            return last
         was = float(self.optimizer.learning_rate)
         self.optimizer.learning_rate = self.cfg.lr  # the checkpoint's state holds the old one
         if not math.isclose(was, self.cfg.lr, rel_tol=1e-6):
@@ -218,6 +236,17 @@ class Run:
             return json.loads((self.out / "report.json").read_text())["windows"] == windows
         except (OSError, ValueError, KeyError, TypeError):
             return False
+
+    def steps(self) -> int:
+        """The optimizer steps the run will take: a window's each (the exact walk), or each
+        labelled chunk's (the plain walk), over --iters or every epoch."""
+        examples = self.train_set.examples
+        per = [1 if self.cfg.walk == "exact" else
+               max(1, len({int(i) // self.cfg.chunk for i in np.flatnonzero(e.weights)}))
+               for e in examples]  # fmt: skip
+        if self.cfg.iters is None:
+            return self.cfg.epochs * sum(per)
+        return round(self.cfg.iters * sum(per) / len(per))
 
     @property
     def total(self) -> int:
@@ -261,6 +290,8 @@ class Run:
                     self.step(self.train_set.examples[order[self.position.index]])
                     if cfg.save_every and self.position.windows % cfg.save_every == 0:
                         self.checkpoint()
+                    if self.eval_due():
+                        self.evaluate_between()
                 if self.position.index >= len(order):  # also one a stop left open at its end
                     self.end_epoch()
                     if self.position.windows >= total:
@@ -284,7 +315,8 @@ class Run:
         try:
             walk = train_window(self.model, self.optimizer, window,
                                 cfg.walk_config(seed=cfg.seed + p.windows), cfg.walk,
-                                on_chunk=self.bar.chunk, layout=self.layout)  # fmt: skip
+                                on_chunk=self.bar.chunk, layout=self.layout,
+                                clip=cfg.grad_clip)  # fmt: skip
         except NonFinite as e:
             self.restore(self.undo[1])
             self.non_finite(example, e)
@@ -292,14 +324,18 @@ class Run:
         seconds = time.perf_counter() - tic
         peak = mx.get_peak_memory()
         self.streak = 0
+        used = getattr(walk, "horizon_used", cfg.horizon)
+        narrowed = used != cfg.horizon
         self.position = replace(
             p, index=p.index + 1, windows=p.windows + 1,
             loss_sum=p.loss_sum + walk.loss * example.trainable,
             tokens=p.tokens + example.trainable, seconds=p.seconds + seconds,
+            losses=[*p.losses, round(walk.loss, 6)], narrowed=p.narrowed + narrowed,
+            horizon=min(p.horizon or used, used) if narrowed else p.horizon,
         )  # fmt: skip
         self.peak = max(self.peak, peak)
         self.watch(walk, peak, example)
-        self.bar.window(walk.loss, len(example) / seconds, peak / MIB)
+        self.bar.window(walk.loss, len(example) / seconds, peak / MIB, used if narrowed else None)
 
     def snapshot(self):
         """The adapter and optimizer state as they are (arrays are immutable: references do)."""
@@ -341,8 +377,9 @@ class Run:
             if self.narrowed == 1:
                 self.echo(f"warning: window {self.position.windows} ({example.where}): the memory "
                           f"budget narrowed the horizon to {used} positions for its late chunks, "
-                          "so its gradient is not exact (counted in report.json: "
-                          "windows_narrowed)")  # fmt: skip
+                          "so its gradient is not exact (each such window says so; counted in "
+                          "each epoch's line and report.json: windows_narrowed; --strict-exact "
+                          "refuses instead)")  # fmt: skip
         self.check_collapse(walk.loss, example)
         budget_bytes = (self.cfg.memory_budget_mib or 0) * MIB
         if budget_bytes and peak > budget_bytes * (1 + BUDGET_MARGIN):
@@ -366,6 +403,19 @@ class Run:
                       f"(ln {self.layout.vocab} = {uniform:.3f}), from {self.first_loss:.3f} at "
                       f"the first window: training has diverged; lower --lr (now "
                       f"{self.cfg.lr:g})")  # fmt: skip
+
+    def eval_due(self) -> bool:
+        """--steps-per-eval: every so many windows, except where an epoch's end evaluates."""
+        p, every = self.position, self.cfg.steps_per_eval
+        epoch_end = p.index >= len(self.train_set.examples)
+        return bool(every) and p.windows % every == 0 and not epoch_end
+
+    def evaluate_between(self) -> None:
+        loss = self.evaluate()
+        if loss is not None:
+            self.echo(f"window {self.position.windows}: eval_loss {loss:.4f}")
+            p = self.position
+            self.position = replace(p, evals=[*p.evals, [p.windows, round(loss, 6)]])
 
     def evaluate(self) -> float | None:
         if not self.valid_set.examples:
@@ -393,6 +443,8 @@ class Run:
             train_tok_s=round(tokens / p.seconds, 1) if p.seconds else 0.0,
             windows=p.index,
             partial=partial,
+            windows_narrowed=p.narrowed,
+            smallest_horizon=p.horizon or None,
         )
 
     def end_epoch(self) -> None:
@@ -400,7 +452,8 @@ class Run:
         self.echo(report.epoch_line(epoch))
         p = self.position
         self.position = replace(p, epoch=p.epoch + 1, index=0, loss_sum=0.0, tokens=0,
-                                seconds=0.0, epochs=[*p.epochs, asdict(epoch)])  # fmt: skip
+                                seconds=0.0, epochs=[*p.epochs, asdict(epoch)], narrowed=0,
+                                horizon=0)  # fmt: skip
         self.checkpoint()
 
     # --- checkpoints and failure ----------------------------------------------------------------
@@ -464,6 +517,8 @@ class Run:
             "examples_cut_away": self.train_set.cut_away,
             "trainable_tokens": self.train_set.trainable_tokens,
             "windows": self.position.windows,
+            "window_losses": self.position.losses,
+            "evals_between": self.position.evals,  # [window, eval loss] for --steps-per-eval
             "epochs": epochs,
             "config": {f.name: getattr(cfg, f.name) for f in fields(cfg)},
         }

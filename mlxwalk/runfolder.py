@@ -41,6 +41,10 @@ class Position:
     seconds: float = 0.0
     epochs: list[dict] = field(default_factory=list)
     skipped: int = 0  # windows skipped for a non-finite loss or gradient (--on-nan skip)
+    losses: list[float] = field(default_factory=list)  # each window's loss, for the curve
+    evals: list[list] = field(default_factory=list)  # [window, eval loss], --steps-per-eval
+    narrowed: int = 0  # windows of this epoch whose horizon the memory budget narrowed
+    horizon: int = 0  # the smallest horizon those used
 
 
 # What must match for --resume to continue a run: (key in run.json, the flag that sets it).

@@ -1,4 +1,4 @@
-"""The bundled sample data, generated from a fixed seed (`scripts/make-samples` writes it into
+"""The bundled sample data, generated from a fixed seed (`scripts/make-samples.py` writes it into
 mlxwalk/data/).
 
   conversations: long chats with one assistant persona whose replies follow a consistent style,
@@ -73,10 +73,10 @@ def write_split(path: Path, rows: list[dict]) -> None:
 
 
 def make(root: Path) -> None:
-    rng = random.Random(7)
-    convs = [conversation(rng, rng.randint(8, 14)) for _ in range(13)]
-    write_split(root / "conversations" / "train.jsonl", convs[:10])
-    write_split(root / "conversations" / "valid.jsonl", convs[10:])
+    rng = random.Random(7)  # small enough that `mlxwalk train` shows the walk in about a minute
+    convs = [conversation(rng, rng.randint(6, 7)) for _ in range(6)]
+    write_split(root / "conversations" / "train.jsonl", convs[:4])
+    write_split(root / "conversations" / "valid.jsonl", convs[4:])
     rng = random.Random(11)
     facts = [recall(rng, rng.randint(28, 36)) for _ in range(40)]
     write_split(root / "recall" / "train.jsonl", facts[:32])

@@ -212,15 +212,30 @@ def recording() -> Iterator[list[LayerCall]]:
 _walk_classes: dict[tuple[type, bool], type] = {}
 
 
+def own_call(base: type):
+    """The class's `__call__` from beneath mlx-lm's `grad_checkpoint` patches, if any: that patch
+    replaces it with a `checkpointed_fn` closing over the call it replaced."""
+    call = base.__call__
+    while getattr(call, "__qualname__", "") == "grad_checkpoint.<locals>.checkpointed_fn":
+        inner = [c.cell_contents for c in call.__closure__ or () if callable(c.cell_contents)]
+        if len(inner) != 1:
+            raise RuntimeError(
+                f"{base.__name__}.__call__ is patched by mlx-lm's grad_checkpoint in a way the "
+                "walk can't undo; the taps' gradient would be lost"
+            )
+        call = inner[0]
+    return call
+
+
 def _walk_class(base: type, recompute: bool) -> type:
     """A subclass of a decoder layer whose call takes the layer's taps as explicit inputs."""
     key = (base, recompute)
     if key in _walk_classes:
         return _walk_classes[key]
 
-    # The layer's own call, taken once: a later patch of the class (mlx-lm's grad_checkpoint,
-    # which would close over the taps as constants) must not reach the walk.
-    call = base.__call__
+    # The layer's own call, taken once: a patch of the class (mlx-lm's grad_checkpoint, which
+    # would close over the taps as constants and lose their gradient) must not reach the walk.
+    call = own_call(base)
 
     def __call__(self, x, *args, **kwargs):
         cache = _find_cache(args, kwargs)

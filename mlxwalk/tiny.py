@@ -95,6 +95,42 @@ MODELS: dict[str, TinySpec] = {
     ),
 }
 
+# The other families the walk supports, smaller still: the tests walk each exactly; `mlxwalk
+# test-walk-exact -m tiny-llama` (and so on) writes and checks one.
+_SMALL = {**_COMMON, "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 2,
+          "num_key_value_heads": 1, "rope_theta": 10000.0}  # fmt: skip
+FAMILIES: dict[str, TinySpec] = {
+    "tiny-llama": TinySpec(
+        "tiny-llama",
+        {**_SMALL, "model_type": "llama", "architectures": ["LlamaForCausalLM"],
+         "num_hidden_layers": 2},
+        seed=4,
+    ),
+    "tiny-mistral": TinySpec(
+        "tiny-mistral",
+        {**_SMALL, "model_type": "mistral", "architectures": ["MistralForCausalLM"],
+         "num_hidden_layers": 2, "sliding_window": None},
+        seed=5,
+    ),
+    "tiny-qwen3": TinySpec(
+        "tiny-qwen3",
+        {**_SMALL, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"],
+         "num_hidden_layers": 2, "head_dim": 64},
+        seed=6,
+    ),
+    "tiny-qwen3_next": TinySpec(
+        "tiny-qwen3_next",
+        {**_SMALL, "model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"],
+         "num_hidden_layers": 4, "full_attention_interval": 2, "head_dim": 64,
+         "linear_num_key_heads": 1, "linear_num_value_heads": 2, "linear_key_head_dim": 64,
+         "linear_value_head_dim": 64, "linear_conv_kernel_dim": 4, "num_experts": 4,
+         "num_experts_per_tok": 2, "decoder_sparse_step": 1, "mlp_only_layers": [],
+         "moe_intermediate_size": 64, "shared_expert_intermediate_size": 128,
+         "partial_rotary_factor": 0.25},
+        seed=7,
+    ),
+}  # fmt: skip
+
 DEFAULT_MODEL = "tiny-qwen2"
 
 
@@ -104,11 +140,12 @@ def home() -> Path:
 
 def path(name: str = DEFAULT_MODEL) -> Path:
     """The folder of a bundled model, generated on first use."""
-    if name not in MODELS:
-        raise ValueError(f"unknown bundled model {name!r}; bundled: {', '.join(MODELS)}")
+    specs = {**MODELS, **FAMILIES}
+    if name not in specs:
+        raise ValueError(f"unknown bundled model {name!r}; bundled: {', '.join(specs)}")
     folder = home() / "models" / f"{name}-v{VERSION}"
     if not (folder / "model.safetensors").exists():
-        write(MODELS[name], folder)
+        write(specs[name], folder)
     return folder
 
 
@@ -154,13 +191,13 @@ def _init(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.nda
 
 def _write_weights(spec: TinySpec, file: Path) -> None:
     import copy
-    import importlib
 
     import mlx.core as mx
     from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes
 
-    arch = importlib.import_module(f"mlx_lm.models.{spec.config['model_type']}")
-    model = arch.Model(arch.ModelArgs.from_dict(copy.deepcopy(spec.config)))  # args edit it
+    model_class, args_class = _get_classes(copy.deepcopy(spec.config))  # mistral is llama's
+    model = model_class(args_class.from_dict(copy.deepcopy(spec.config)))  # args edit it
     rng = np.random.default_rng(spec.seed)
     weights = {
         name: mx.array(_init(name, tuple(p.shape), rng).astype(np.float32))

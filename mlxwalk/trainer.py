@@ -1,7 +1,17 @@
-"""`mlxwalk.train`: mlx-lm's `tuner.trainer.train`, with each iteration one window trained by the
-walk. It takes the same arguments (mlx-lm's `TrainingArgs`, datasets whose items are
-`(tokens, offset)` as `CacheDataset` gives them, a `TrainingCallback`) and reports through the
-callback with mlx-lm's keys. One window per iteration: `batch_size` must be 1.
+"""`mlxwalk.train`: mlx-lm's `tuner.trainer.train`, each iteration one window trained by the walk.
+
+Same signature and positional order as mlx-lm's: `(model, optimizer, train_dataset, val_dataset,
+args, loss, iterate_batches, training_callback)`, the same `TrainingArgs` and `TrainingCallback`
+keys. What each means for a walk:
+  loss             mlx-lm's `default_loss` (the mean cross-entropy over a batch's labelled tokens)
+                   is what the walk computes, chunk by chunk; a different loss function can't be
+                   walked and is refused.
+  iterate_batches  yields `(batch, lengths)` as mlx-lm's does; each batch row becomes a window
+                   labelled exactly as `default_loss` masks it (from its offset to its length), in
+                   the generator's order: with mlx-lm's own, the data order and the labels are
+                   mlx-lm's for the same seed. One window per step: `batch_size` must be 1.
+  grad_checkpoint  the walk's recompute (each chunk's graph layer by layer).
+  clear_cache_threshold  as in mlx-lm, after each window.
 """
 
 from __future__ import annotations
@@ -18,18 +28,20 @@ from .guards import NonFinite, check_ids
 from .plan import PlanError
 from .walk import WalkConfig, Window, train_window, window_loss
 
+NO_CUT = 1 << 31  # a max_seq_length that cuts nothing
 
-def window_of(item, max_length: int) -> Window | None:
-    """(tokens, offset) -> a window labelled from `offset` on, cut to `max_length`; None if the
-    cut leaves nothing labelled."""
-    tokens, offset = item if isinstance(item, tuple) else (item, 0)
-    tokens = list(tokens)[: max_length + 1]
-    if len(tokens) < 2:
+
+def window_of(batch, lengths) -> Window | None:
+    """One row of an mlx-lm batch as a window, labelled as `default_loss` masks it: target j
+    (token j + 1) counts when offset <= j + 1 <= length. None when nothing is labelled."""
+    tokens = np.asarray(batch[0])  # (L,)
+    offset, length = (int(v) for v in np.asarray(lengths[0]))
+    steps = np.arange(1, len(tokens))  # (L - 1,)
+    weights = ((steps >= offset) & (steps <= length)).astype(np.float32)
+    if len(tokens) < 2 or not weights.any():
         return None
-    weights = (np.arange(1, len(tokens)) >= offset).astype(np.float32)
-    if not weights.any():
-        return None
-    return Window.of(tokens[:-1], tokens[1:], weights)
+    end = int(np.flatnonzero(weights).max()) + 1  # positions past the last label change nothing
+    return Window.of(tokens[:-1][:end], tokens[1:][:end], weights[:end])
 
 
 def named(fn, where: str) -> None:
@@ -39,20 +51,38 @@ def named(fn, where: str) -> None:
         raise PlanError(f"{where}: {e}") from None
 
 
-def check(args) -> None:
+def check(args, loss=None) -> None:
+    from mlx_lm.tuner.trainer import default_loss
+
     if args.batch_size != 1:
         raise PlanError(f"batch_size {args.batch_size}: the walk trains one window per step; use 1")
     if getattr(args, "grad_accumulation_steps", 1) != 1:
         raise PlanError("grad_accumulation_steps: the exact walk already takes one step per window")
+    if loss is not None and loss is not default_loss:
+        if hasattr(loss, "on_train_loss_report"):
+            raise PlanError("loss: got a TrainingCallback; mlx-lm's order is (model, optimizer, "
+                            "train_dataset, val_dataset, args, loss, iterate_batches, "
+                            "training_callback): pass it as training_callback=")  # fmt: skip
+        raise PlanError(
+            "loss: the walk computes mlx-lm's default_loss (mean cross-entropy over the labelled "
+            "tokens) chunk by chunk; a custom loss can't be walked"
+        )
 
 
-def evaluate(model, dataset, args, walk: WalkConfig, batches: int) -> float:
+def evaluate(model, dataset, args, walk: WalkConfig, batches: int, iterate_batches=None) -> float:
+    """mlx-lm's `evaluate`: the token-weighted mean loss over `batches` batches (-1: all) in the
+    generator's order, each window decoded chunk by chunk with no gradient."""
+    if iterate_batches is None:
+        from mlx_lm.tuner.trainer import iterate_batches
     total, weight = 0.0, 0.0
-    n = len(dataset) if batches in (-1, None) else min(batches, len(dataset))
     model.eval()
     try:
-        for i in range(n):
-            window = window_of(dataset[i], args.max_seq_length)
+        for i, (batch, lengths) in enumerate(
+            iterate_batches(dataset=dataset, batch_size=1, max_seq_length=args.max_seq_length)
+        ):
+            if batches not in (-1, None) and i >= batches:
+                break
+            window = window_of(batch, lengths)
             if window is not None:
                 total += window_loss(model, window, walk) * window.total
                 weight += window.total
@@ -67,6 +97,8 @@ def train(
     train_dataset,
     val_dataset=None,
     args=None,
+    loss=None,
+    iterate_batches=None,
     training_callback=None,
     *,
     walk: str = "exact",
@@ -76,55 +108,41 @@ def train(
     """Train `model`'s trainable parameters for `args.iters` windows (see the module doc).
     With `adapter_config`, adapter_config.json is written beside every save of the adapter, so
     the folder mlx-lm loads from is complete whenever it holds an adapter. A NaN or infinite loss
-    or gradient stops before its step (NonFinite), naming the iteration; nothing is saved."""
-    from mlx_lm.tuner.trainer import TrainingArgs
+    or gradient stops before its step (NonFinite), naming the iteration."""
+    from mlx_lm.tuner import trainer as mlx_trainer
 
-    args = args or TrainingArgs()
-    check(args)
+    args = args or mlx_trainer.TrainingArgs()
+    check(args, loss)
+    iterate_batches = iterate_batches or mlx_trainer.iterate_batches
     base = walk_config or WalkConfig(chunk=512, recompute=args.grad_checkpoint)
     layout = arch.inspect(model)
-    vocab = layout.vocab
-    order: list[int] = []
     losses, tokens, trained, steps, elapsed = 0.0, 0, 0, 0, 0.0
     model.train()
-    for it in range(1, args.iters + 1):
-        if (
-            val_dataset is not None
-            and len(val_dataset)
-            and (it == 1 or it % args.steps_per_eval == 0 or it == args.iters)
-        ):
+    batches = iterate_batches(dataset=train_dataset, batch_size=1,
+                              max_seq_length=args.max_seq_length, loop=True)  # fmt: skip
+    for it, (batch, lengths) in zip(range(1, args.iters + 1), batches):
+        if val_dataset and (it == 1 or it % args.steps_per_eval == 0 or it == args.iters):
             tic = time.perf_counter()
-            val_loss = evaluate(model, val_dataset, args, base, args.val_batches)
+            val_loss = evaluate(model, val_dataset, args, base, args.val_batches, iterate_batches)
             if training_callback is not None:
                 training_callback.on_val_loss_report(
                     {"iteration": it - 1, "val_loss": val_loss,
                      "val_time": time.perf_counter() - tic}
                 )  # fmt: skip
-        window, tried = None, 0
-        while window is None:
-            if tried == 2 * len(train_dataset):  # a whole permutation has been seen
-                raise PlanError(
-                    "no training item has a labelled token within max_seq_length "
-                    f"({args.max_seq_length})"
-                )
-            if not order:
-                order = list(np.random.permutation(len(train_dataset)))  # seeded as mlx-lm's
-            item = int(order.pop())
-            window = window_of(train_dataset[item], args.max_seq_length)
-            tried += 1
-            if window is not None:
-                named(lambda w=window: check_ids(w, vocab), f"training item {item}")
+        window = window_of(batch, lengths)
+        if window is None:  # mlx-lm's loss would be 0/0 here
+            raise PlanError(f"iteration {it}: the batch has no labelled token within "
+                            f"max_seq_length ({args.max_seq_length})")  # fmt: skip
+        named(lambda w=window: check_ids(w, layout.vocab), f"iteration {it}")
         tic = time.perf_counter()
         config = WalkConfig(**{**base.__dict__, "seed": it})
         try:
             run = train_window(model, optimizer, window, config, walk, layout=layout)
         except NonFinite as e:
-            last = (
-                f"{args.adapter_file} is as saved"
-                if Path(args.adapter_file).exists()
-                else ("nothing was saved")
-            )
+            kept = Path(args.adapter_file)
+            last = f"{kept} is as saved" if kept.exists() else "nothing was saved"
             raise NonFinite(f"iteration {it}: {e}; stopped before its step ({last})") from None
+        clear_cache(getattr(args, "clear_cache_threshold", 0))
         elapsed += time.perf_counter() - tic
         losses += run.loss
         tokens += int(window.total)
@@ -145,6 +163,11 @@ def train(
         if it % args.steps_per_save == 0 or it == args.iters:
             step = it if it % args.steps_per_save == 0 else None
             save(model, Path(args.adapter_file), step, adapter_config)
+
+
+def clear_cache(threshold: int) -> None:
+    if threshold and mx.get_cache_memory() > threshold:
+        mx.clear_cache()
 
 
 def save(model, file: Path, iteration: int | None, config: dict | None = None) -> None:

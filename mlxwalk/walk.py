@@ -28,6 +28,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 
 import mlx.core as mx
+import mlx.optimizers as optim
 import numpy as np
 from mlx import nn
 
@@ -61,6 +62,7 @@ class WalkConfig:
     follow_runs: bool = True  # chunks never cross a change of weight (see plan.cut)
     accumulator_dtype: str = "float32"
     attention: str = "auto"  # "tiled" (chunk_attention), "fused" (mlx-lm's), auto: fused on CUDA
+    strict_exact: bool = False  # refuse a window the memory budget would narrow the horizon of
 
     @property
     def tiled(self) -> bool:
@@ -292,6 +294,8 @@ class ExactWalk(_ChunkRunner):
         self.checkpoints: dict[int, State] = {}
         self.horizon_used = self.config.horizon  # narrowed per chunk if the memory budget asks
         self.estimate = self.admit()
+        if self.config.strict_exact:
+            self.refuse_narrowing()
 
     def make_plan(self, host_budget: int | None):
         return plan_window(
@@ -312,7 +316,9 @@ class ExactWalk(_ChunkRunner):
         device = self.config.device_budget
         if device is None:
             return None
-        self.acts = budget.probe(self.model, self.config.chunk, self.config.recompute)
+        self.refuse_floor(device)
+        self.acts = budget.probe(self.model, self.config.chunk, self.config.recompute,
+                                 self.config.attention)  # fmt: skip
         est = self.measure(self.plan)
         last = self.plan.chunks[-1]
         one_chunk = min(self.plan.chunk, last.start - last.grad_from)  # the fewest taps there are
@@ -329,6 +335,16 @@ class ExactWalk(_ChunkRunner):
         budget.admit(least, device, budget.what_fits(self.layout, self.config.cache_type))
         return est
 
+    def refuse_floor(self, device: int) -> None:
+        """A budget below what the walk holds before any graph (the weights, the adapter, the
+        store, the accumulators, and the checkpoints unless a longer stride can shrink them) is
+        refused at once, without measuring a chunk's graph."""
+        self.acts = budget.Activations(self.config.chunk, 0.0, 0.0)
+        floor = self.measure(self.plan)
+        if self.layout.recurrent and self.config.host_budget is None:
+            floor = replace(floor, checkpoints=0)
+        budget.admit(floor, device, budget.what_fits(self.layout, self.config.cache_type))
+
     def measure(self, plan) -> budget.Estimate:
         """The estimate for `plan`, with whatever else MLX holds now beyond the model's weights and
         the adapter's share (arrays the walk can't know of count against the budget too)."""
@@ -340,17 +356,10 @@ class ExactWalk(_ChunkRunner):
 
     def grad_from(self, chunk: Chunk) -> int:
         """The chunk's first tapped position: the plan's, or, when the walk would exceed the
-        memory budget with this chunk's graph, half the horizon and again (a multiple of the
-        chunk, never below one chunk). Only this chunk is narrowed; the next window starts from
-        the requested horizon."""
-        if self.estimate is None or chunk.start == 0:
-            return chunk.grad_from
-        taps, size = chunk.start - chunk.grad_from, self.plan.chunk
-        rest = self.estimate.total - self.estimate.graph
-        fits = lambda t: rest + self.graph_bytes(t, chunk.start) <= self.config.device_budget  # noqa: E731
-        narrowed = taps
-        while narrowed > size and not fits(narrowed):
-            narrowed = max(size, narrowed // 2 // size * size)
+        memory budget with this chunk's graph, `narrowed_taps` before it. Only this chunk is
+        narrowed; the next window starts from the requested horizon."""
+        taps = chunk.start - chunk.grad_from
+        narrowed = self.narrowed_taps(chunk)
         if narrowed < taps:
             log.info(
                 "chunk %d: its graph with %d tapped positions exceeds the memory budget of "
@@ -361,6 +370,32 @@ class ExactWalk(_ChunkRunner):
                 narrowed if self.horizon_used == 0 else min(self.horizon_used, narrowed)
             )
         return chunk.start - narrowed
+
+    def narrowed_taps(self, chunk: Chunk) -> int:
+        """The tapped positions the chunk's graph fits the memory budget with: the plan's, else
+        half of them and again (a multiple of the chunk, never below one chunk)."""
+        taps, size = chunk.start - chunk.grad_from, self.plan.chunk
+        if self.estimate is None or chunk.start == 0:
+            return taps
+        rest = self.estimate.total - self.estimate.graph
+        fits = lambda t: rest + self.graph_bytes(t, chunk.start) <= self.config.device_budget  # noqa: E731
+        narrowed = taps
+        while narrowed > size and not fits(narrowed):
+            narrowed = max(size, narrowed // 2 // size * size)
+        return narrowed
+
+    def refuse_narrowing(self) -> None:
+        """--strict-exact: a window whose gradient the budget would cut is refused up front."""
+        for chunk in self.plan.chunks:
+            taps = chunk.start - chunk.grad_from
+            if (narrowed := self.narrowed_taps(chunk)) < taps:
+                raise OutOfMemory(
+                    f"the memory budget of {self.config.device_budget / MIB:,.0f} MiB fits chunk "
+                    f"{chunk.index} only with its horizon narrowed from {taps} to {narrowed} "
+                    "positions, and --strict-exact refuses a gradient that is not exact: raise "
+                    "--memory-budget-mib, or give --recompute or a smaller --cache-type or "
+                    "--chunk"
+                )
 
     def run(self) -> tuple[mx.array, dict]:
         limit = None
@@ -503,6 +538,7 @@ def window_gradient(
     host_budget_mib: float | None = None,
     memory_budget_mib: float | None = None,
     accumulator_dtype: str = "float32",
+    attention: str = "auto",
 ) -> tuple[float, dict]:
     """The window's loss sum(w * CE) / sum(w) and its gradient in `model.trainable_parameters()`.
 
@@ -521,6 +557,7 @@ def window_gradient(
         host_budget_mib=host_budget_mib,
         memory_budget_mib=memory_budget_mib,
         accumulator_dtype=accumulator_dtype,
+        attention=attention,
     ).check()
     if walk == "one-graph":
         loss, grads = one_graph(model, window)
@@ -540,6 +577,7 @@ def train_window(
     walk: str = "exact",
     on_chunk: Callable[[str, int, int], None] | None = None,
     layout=None,  # the model's arch.Layout, when the caller has it (else read per window)
+    clip: float | None = None,  # each step's gradient clipped to this global L2 norm
 ):
     """Train on one window: the exact walk takes one step, the plain walk one per labelled chunk.
     A refusal (memory, bad input) is raised before any array of the window exists or any step is
@@ -547,16 +585,22 @@ def train_window(
     infinite loss or gradient raises NonFinite before the step that would apply it (the plain
     walk may have stepped on the window's earlier chunks).
     Returns the walk, whose `loss` holds the window's loss (at the adapter it started from)."""
+
+    def step(grads) -> None:
+        if clip is not None:
+            grads, _ = optim.clip_grad_norm(grads, clip)
+        optimizer.update(model, grads)
+
     if walk == "exact":
         runner = ExactWalk(model, window, config, layout)
         runner.on_chunk = on_chunk
         loss, grads = runner.run()
         check_finite(loss, grads)
-        optimizer.update(model, grads)
+        step(grads)
     elif walk == "plain":
         runner = PlainWalk(model, window, config, layout)
         runner.on_chunk = on_chunk
-        loss, _ = runner.run(step=lambda g: optimizer.update(model, g))
+        loss, _ = runner.run(step=step)
     else:
         raise PlanError(f"walk {walk!r} cannot train; choose exact or plain")
     mx.eval(model.parameters(), optimizer.state)

@@ -59,9 +59,44 @@ def test_a_budget_short_of_the_full_horizon_narrows_it_per_chunk_and_not_beyond(
     assert short.horizon_used == 0
 
 
+def test_strict_exact_refuses_what_the_budget_would_narrow(measured):
+    qwen2 = measured["qwen2"]
+    least, full = budgets(qwen2, 2048, 256)
+    config = WalkConfig(chunk=256, memory_budget_mib=(least + full) / 2 / MIB, strict_exact=True)
+    with pytest.raises(OutOfMemory, match="only with its horizon narrowed .* --strict-exact"):
+        ExactWalk(qwen2, window(2048), config)
+    roomy = WalkConfig(chunk=256, memory_budget_mib=full * 1.2 / MIB, strict_exact=True)
+    assert ExactWalk(qwen2, window(2048), roomy).horizon_used == 0  # fits whole: admitted
+
+
+def test_narrowing_shows_on_the_progress_line_and_the_epoch_line(capsys):
+    from mlxwalk import report
+    from mlxwalk.run import Epoch
+
+    bar = report.progress(2, enabled=True)
+    bar.lines, bar.live = True, False
+    bar.window(3.2, 900.0, 120.0, narrowed=512)
+    bar.window(3.1, 900.0, 120.0)
+    err = capsys.readouterr().err
+    assert "window 1/2: loss 3.200, 900 tok/s, peak 120 MiB, horizon narrowed to 512" in err
+    assert "window 2/2: loss 3.100, 900 tok/s, peak 120 MiB\n" in err
+    line = report.epoch_line(Epoch(1, 3.0, 2.9, 10.0, 800.0, 2, False, 1, 512))
+    assert "1 window(s) not exact" in line and "as few as 512 positions" in line
+    assert "not exact" not in report.epoch_line(Epoch(1, 3.0, 2.9, 10.0, 800.0, 2))
+
+
 def test_a_budget_below_one_chunk_of_taps_is_refused_before_the_walk(measured):
     qwen2 = measured["qwen2"]
     least, _ = budgets(qwen2, 2048, 256)
     with pytest.raises(OutOfMemory, match="device memory") as e:
         ExactWalk(qwen2, window(2048), WalkConfig(chunk=256, memory_budget_mib=least / 2 / MIB))
     assert "budget is" in str(e.value) and "q8" in str(e.value)
+
+
+def test_the_probe_is_keyed_by_everything_that_changes_it(qwen2):
+    key = budget.probe_key(qwen2, 256, False, "auto")
+    assert budget.probe_key(qwen2, 256, False, "auto") == key
+    for other in [(512, False, "auto"), (256, True, "auto"), (256, False, "fused")]:
+        assert budget.probe_key(qwen2, *other) != key
+    qwen2.layers[0].self_attn.q_proj.lora_a = qwen2.layers[0].self_attn.q_proj.lora_a[:, :4]
+    assert budget.probe_key(qwen2, 256, False, "auto") != key  # another adapter shape

@@ -16,14 +16,15 @@ def run(*args):
 
 def test_test_walk_exact_json_on_a_model_folder(qwen2_path):
     p = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "test-walk-exact"), "-m", qwen2_path, "--json"],
+        [sys.executable, str(ROOT / "scripts" / "test-walk-exact.py"), "-m", qwen2_path, "--json"],
         capture_output=True,
         text=True,
     )
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
-    assert out["ok"] and len(out["rows"]) == 9
-    assert {r["row"] for r in out["rows"]} == {"(1)", "(1b)", "(1c)", "(2)", "(3)", "(7)"}
+    assert out["ok"] and len(out["rows"]) == 11
+    assert {r["row"] for r in out["rows"]} == {"(1)", "(1a)", "(1b)", "(1c)", "(2)", "(3)", "(7)"}
+    assert all(r["rel_l2"] <= 1e-4 for r in out["rows"] if r["bar"].startswith("cosine >= 0.99999"))
 
 
 def test_a_missing_model_is_one_line_and_exit_2(tmp_path):

@@ -1,10 +1,11 @@
-"""The exactness rows can fail: remove a surrogate and watch the exact row fail."""
+"""The exactness rows can fail: remove a surrogate, or drop one tapped position's gradient, and
+watch the exact row fail."""
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxwalk import taps, window_gradient
+from mlxwalk import accum, taps, window_gradient
 from mlxwalk.exactness import BARS, EXACT, compare
 
 N = 128
@@ -26,3 +27,22 @@ def test_exact_row_fails_without_the_surrogate(request, model, cache, recompute,
     monkeypatch.setattr(cache, "surrogate", lambda self: mx.array(0.0))
     _, broken = window_gradient(model, IDS[:-1], IDS[1:], w, chunk=32, recompute=recompute)
     assert not BARS[EXACT](*compare(broken, one))
+
+
+def test_exact_row_fails_with_one_tap_positions_gradient_dropped(qwen2, monkeypatch):
+    """One position of one layer's K/V gradient lost on its way back: 1 of 96 tapped positions."""
+    w = np.ones(N)
+    _, one = window_gradient(qwen2, IDS[:-1], IDS[1:], w, chunk=N, walk="one-graph")
+    add_kv = accum.Accumulators.add_kv
+
+    def drop_one(self, start, grads):
+        if start == 0 and grads[0] is not None:
+            k, v = grads[0]
+            keep = (mx.arange(k.shape[2]) != 5)[None, None, :, None]  # position 5 of layer 0
+            grads = [(k * keep, v * keep), *grads[1:]]
+        return add_kv(self, start, grads)
+
+    monkeypatch.setattr(accum.Accumulators, "add_kv", drop_one)
+    _, broken = window_gradient(qwen2, IDS[:-1], IDS[1:], w, chunk=32)
+    cosine, error = compare(broken, one)
+    assert not BARS[EXACT](cosine, error), (cosine, error)

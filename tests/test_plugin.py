@@ -9,10 +9,11 @@ import mlx.optimizers as optim
 import mlx_lm
 import pytest
 from mlx_lm.tuner.datasets import CacheDataset, load_dataset
-from mlx_lm.tuner.trainer import TrainingArgs, TrainingCallback
+from mlx_lm.tuner.trainer import TrainingArgs, TrainingCallback, default_loss, iterate_batches
 from mlx_lm.tuner.utils import linear_to_lora_layers
 
 import mlxwalk
+from mlxwalk.plan import PlanError
 from mlxwalk.walk import WalkConfig
 
 from .test_train import chat
@@ -55,7 +56,8 @@ def test_lora_cli_takes_mlx_lm_arguments_and_yaml(qwen2_path, data_dir, tmp_path
     [
         (["--batch-size", "4"], "batch_size 4"),
         (["--fine-tune-type", "dora"], "fine-tune-type 'dora'"),
-        (["--optimizer", "muon"], "optimizer 'muon'"),
+        (["--optimizer", "lion"], "optimizer 'lion' is unknown"),
+        (["--lr-schedule-typo"], "unrecognized arguments"),
     ],
 )
 def test_lora_cli_refuses_what_the_walk_cannot_honour(qwen2_path, data_dir, args, message):
@@ -102,6 +104,8 @@ def test_train_reports_through_mlx_lm_callbacks(qwen2_path, data_dir, tmp_path):
         CacheDataset(train_set),
         CacheDataset(valid_set),
         args,
+        default_loss,
+        iterate_batches,
         seen,
         walk_config=WalkConfig(chunk=128),
     )
@@ -111,3 +115,11 @@ def test_train_reports_through_mlx_lm_callbacks(qwen2_path, data_dir, tmp_path):
                                   "trained_tokens", "peak_memory"}  # fmt: skip
     assert set(seen.val[0]) == {"iteration", "val_loss", "val_time"}
     assert (tmp_path / "a.safetensors").exists()
+
+
+def test_train_refuses_what_a_walk_cannot_take_in_mlx_lms_order(qwen2):
+    args = TrainingArgs(batch_size=1, iters=1)
+    with pytest.raises(PlanError, match="got a TrainingCallback; mlx-lm's order is"):
+        mlxwalk.train(qwen2, optim.Adam(learning_rate=1e-3), [], None, args, TrainingCallback())
+    with pytest.raises(PlanError, match="a custom loss can't be walked"):
+        mlxwalk.train(qwen2, optim.Adam(learning_rate=1e-3), [], None, args, lambda *a: 0)

@@ -36,19 +36,11 @@ def test_chunks_follow_runs_and_stop_at_the_last_label():
     assert [c.index for c in chunks] == list(range(len(chunks)))
 
 
-def test_one_period_end_on_the_chunk_trained_last():
+def test_the_reverse_pass_ends_on_the_first_needed_chunk():
     for horizon in (0, 64, 100):
         plan = plan_window(reply_window(), 64, ATTN, horizon=horizon)
-        ends = [c for c in plan.chunks if c.period_end]
-        assert len(ends) == 1
-        assert plan.reverse()[-1] is ends[0]
-
-
-def test_loss_scales_sum_to_one():
-    w = [1.0, 1.0, 0.0, 0.5, 0.5, 0.5, 2.0] * 20
-    plan = plan_window(w, 3, ATTN)
-    assert sum(c.loss_scale for c in plan.chunks) == pytest.approx(1.0)
-    assert all(c.loss_scale == c.weight / plan.weight for c in plan.chunks)
+        needed = [c for c in plan.chunks if c.needed]
+        assert plan.reverse()[-1] is needed[0] and plan.reverse()[0] is needed[-1]
 
 
 def test_horizon_sets_grad_from():

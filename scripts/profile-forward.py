@@ -4,7 +4,7 @@ mlx-lm's own forward and step, the walk's decode and one-chunk step, one graph. 
 the walk holds from what the backend holds while it runs a graph (on CUDA, memory freed by the
 host returns only once the GPU has run the work that used it).
 
-    scripts/profile-forward [--chunk 8192] [--small]
+    scripts/profile-forward.py [--chunk 8192] [--small]
 """
 
 import argparse
@@ -15,13 +15,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
+
 from mlxwalk import bench  # noqa: E402  (mlxwalk before mlx: see mlxwalk/_blas.py)
 from mlxwalk.plan import cut  # noqa: E402
 from mlxwalk.taps import ChunkKV  # noqa: E402
 from mlxwalk.walk import ExactWalk, WalkConfig, Window, _ChunkRunner, one_graph, walking  # noqa: E402
-
-import mlx.core as mx  # noqa: E402
-import mlx.nn as nn  # noqa: E402
 
 MIB = 1 << 20
 
@@ -66,7 +66,8 @@ def main() -> int:
                         state = runner.decode(chunk, state)
 
             for k in (1, 2):
-                peak(f"decode {k} chunk(s), recompute {recompute}, {attention}", lambda: decode(k))
+                peak(f"decode {k} chunk(s), recompute {recompute}, {attention}",
+                     lambda k=k: decode(k))  # fmt: skip
     with walking(model, False):
         caches = [ChunkKV(0, tiled=False) for _ in model.layers]
         peak("model with ChunkKV caches (no prefix), K/V only",
@@ -75,7 +76,7 @@ def main() -> int:
     for recompute in (False, True):
         config = WalkConfig(chunk=n, cache_type="bfloat16", recompute=recompute)
         peak(f"exact walk, one chunk of {n}, recompute {recompute}",
-             lambda: mx.eval(ExactWalk(model, one, config).run()))  # fmt: skip
+             lambda config=config: mx.eval(ExactWalk(model, one, config).run()))  # fmt: skip
     peak("one graph gradient", lambda: mx.eval(one_graph(model, one)))
     run = bench.step_for(model, "mlx-lm", n, WalkConfig(chunk=n))
     peak("mlx-lm step", run)

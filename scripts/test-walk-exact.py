@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""The exactness table: `scripts/test-walk-exact [-m MODEL] [--json]` (same as `mlxwalk test-walk-exact`)."""
+"""The exactness table: `scripts/test-walk-exact.py [-m MODEL] [--json]`, the same as
+`mlxwalk test-walk-exact`."""
 
 import sys
 from pathlib import Path

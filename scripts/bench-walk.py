@@ -3,8 +3,9 @@
 --vs-mlx-lm, of full training steps (gradient and optimizer update) against mlx-lm's own trainer
 step (with and without its grad_checkpoint), and the largest window each fits under a memory cap.
 
-    scripts/bench-walk [-m tiny-qwen2] [--windows 2048 4096] [--chunk 256] [--repeats 3]
-    scripts/bench-walk --vs-mlx-lm [--windows 1024 2048 4096] [--cap-mib 384] [--max-window 16384]
+    scripts/bench-walk.py [-m tiny-qwen2] [--windows 2048 4096] [--chunk 256] [--repeats 3]
+    scripts/bench-walk.py --vs-mlx-lm [--windows 1024 2048 4096] [--cap-mib 384]
+                          [--max-window 16384]
 """
 
 import argparse
@@ -15,11 +16,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import mlx.core as mx  # noqa: E402
+
 from mlxwalk import bench, models  # noqa: E402  (mlxwalk before mlx: see mlxwalk/_blas.py)
 from mlxwalk.exactness import prepare  # noqa: E402
 from mlxwalk.walk import WalkConfig  # noqa: E402
-
-import mlx.core as mx  # noqa: E402
 
 
 def main() -> int:
@@ -37,8 +38,11 @@ def main() -> int:
     a = p.parse_args()
     model, _ = models.load(a.model)
     prepare(model)
-    print(f"model {a.model}, mlx {mx.__version__} on {mx.default_device()}, "
-          f"{platform.machine()} {platform.system()}, float32, LoRA r8 on every layer", flush=True)
+    print(
+        f"model {a.model}, mlx {mx.__version__} on {mx.default_device()}, "
+        f"{platform.machine()} {platform.system()}, float32, LoRA r8 on every layer",
+        flush=True,
+    )
     if not a.vs_mlx_lm:
         rows = [bench.measure(model, w, n, a.chunk, a.repeats)
                 for n in a.windows for w in bench.WALKS]  # fmt: skip
@@ -57,8 +61,10 @@ def main() -> int:
             print()
             print(bench.ratios(rows, against="mlx-lm+ckpt"))
         if not a.no_bisect:
-            print(f"\nlargest window with a measured peak under {a.cap_mib:.0f} MiB (steps of "
-                  f"{a.chunk}, bisection on the measured peak):")
+            print(
+                f"\nlargest window with a measured peak under {a.cap_mib:.0f} MiB (steps of "
+                f"{a.chunk}, bisection on the measured peak):"
+            )
             for kind in bench.STEPS:
                 best = bench.largest_window(
                     lambda n, k=kind: bench.fits(model, k, n, config, a.cap_mib),

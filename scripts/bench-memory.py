@@ -3,7 +3,7 @@
 (reads the cache in place, tiled backward) against the fused path (the prefix concatenated with the
 chunk's K/V and MLX's scaled_dot_product_attention, whose CPU/Metal VJP is unfused). One process.
 
-    scripts/bench-memory [-m tiny-qwen2] [--windows 1024 4096 16384] [--chunk 512]
+    scripts/bench-memory.py [-m tiny-qwen2] [--windows 1024 4096 16384] [--chunk 512]
 
 Peaks are live sets: MLX is given a memory limit it always exceeds, so its scheduler waits for each
 task and frees as it goes (see mlxwalk/budget.py); without it, MLX's CPU backend allocates ahead
@@ -18,12 +18,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+
 from mlxwalk import budget, models  # noqa: E402  (mlxwalk before mlx: see mlxwalk/_blas.py)
 from mlxwalk.exactness import prepare  # noqa: E402
 from mlxwalk.walk import ExactWalk, WalkConfig, Window  # noqa: E402
-
-import mlx.core as mx  # noqa: E402
-import numpy as np  # noqa: E402
 
 MIB = 1 << 20
 
@@ -36,9 +36,13 @@ def main() -> int:
     a = p.parse_args()
     model, _ = models.load(a.model)
     prepare(model)
-    print(f"model {a.model}, chunk {a.chunk}, float32 cache and accumulators, every position "
-          f"labelled; mlx {mx.__version__} on {mx.default_device()}, {platform.machine()}")
-    print("| window | attention | peak MiB | K/V store MiB | accumulators MiB | rest MiB | seconds |")
+    print(
+        f"model {a.model}, chunk {a.chunk}, float32 cache and accumulators, every position "
+        f"labelled; mlx {mx.__version__} on {mx.default_device()}, {platform.machine()}"
+    )
+    print(
+        "| window | attention | peak MiB | K/V store MiB | accumulators MiB | rest MiB | seconds |"
+    )
     print("|---:|---|---:|---:|---:|---:|---:|")
     for n in a.windows:
         ids = np.random.default_rng(n).integers(0, 256, n + 1)
@@ -50,8 +54,11 @@ def main() -> int:
             s = time.perf_counter() - t
             store = budget.store_bytes(walk.layout, walk.plan.computed, "float32")
             acc = walk.plan.accumulator_bytes
-            print(f"| {n} | {attention} | {peak / MIB:.1f} | {store / MIB:.1f} | {acc / MIB:.1f} |"
-                  f" {(peak - store - acc) / MIB:.1f} | {s:.0f} |", flush=True)
+            print(
+                f"| {n} | {attention} | {peak / MIB:.1f} | {store / MIB:.1f} | {acc / MIB:.1f} |"
+                f" {(peak - store - acc) / MIB:.1f} | {s:.0f} |",
+                flush=True,
+            )
             del walk
     return 0
 

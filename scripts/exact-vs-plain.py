@@ -6,7 +6,7 @@ The default data is the bundled recall task (mlxwalk/data/recall): a code is sta
 of a ~2,000-token conversation and asked for at its end; only the answer is labelled, so at chunk
 256 the fact sits 7 or more chunks before the only loss.
 
-    scripts/exact-vs-plain [-m tiny-qwen2] [--data mlxwalk/data/recall] [--epochs 3] [--lr 1e-3]
+    scripts/exact-vs-plain.py [-m tiny-qwen2] [--data mlxwalk/data/recall] [--epochs 3] [--lr 1e-3]
 """
 
 import argparse
@@ -39,14 +39,18 @@ def main() -> int:
         print(f"--- {walk} walk", flush=True)
         results[walk] = train_run(cfg)
     plain, exact = results["plain"]["epochs"], results["exact"]["epochs"]
-    print(f"\n{a.model}, {Path(a.data).name}, chunk {a.chunk}, lr {a.lr}, LoRA r{a.rank} on every "
-          "layer, seed 0")
+    print(
+        f"\n{a.model}, {Path(a.data).name}, chunk {a.chunk}, lr {a.lr}, LoRA r{a.rank} on every "
+        "layer, seed 0"
+    )
     print("| epoch | plain eval loss | exact eval loss | exact vs plain | plain s | exact s |")
     print("|---:|---:|---:|---:|---:|---:|")
     for p_, e in zip(plain, exact):
         gain = 100 * (e["eval_loss"] - p_["eval_loss"]) / p_["eval_loss"]
-        print(f"| {e['epoch']} | {p_['eval_loss']:.4f} | {e['eval_loss']:.4f} | {gain:+.1f}% |"
-              f" {p_['seconds']:.0f} | {e['seconds']:.0f} |")
+        print(
+            f"| {e['epoch']} | {p_['eval_loss']:.4f} | {e['eval_loss']:.4f} | {gain:+.1f}% |"
+            f" {p_['seconds']:.0f} | {e['seconds']:.0f} |"
+        )
     if a.json:
         Path(a.json).write_text(json.dumps({w: r["epochs"] for w, r in results.items()}, indent=2))
     return 0

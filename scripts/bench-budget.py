@@ -23,14 +23,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mlxwalk import arch, bench  # noqa: E402  (mlxwalk before mlx: see mlxwalk/_blas.py)
-from mlxwalk.plan import MIB, OutOfMemory  # noqa: E402
-from mlxwalk.guards import check_finite  # noqa: E402
-from mlxwalk.walk import ExactWalk, WalkConfig, Window  # noqa: E402
-
 import mlx.core as mx  # noqa: E402
 import mlx.optimizers as optim  # noqa: E402
 import numpy as np  # noqa: E402
+
+from mlxwalk import arch, bench  # noqa: E402  (mlxwalk before mlx: see mlxwalk/_blas.py)
+from mlxwalk.guards import check_finite  # noqa: E402
+from mlxwalk.plan import MIB, OutOfMemory  # noqa: E402
+from mlxwalk.walk import ExactWalk, WalkConfig, Window  # noqa: E402
 
 GIB = 1 << 30
 

@@ -2,8 +2,8 @@
 """The gated delta rule's forward+backward: mlxwalk's chunked op against mlx-lm's per-token path,
 then the exact walk against one graph on the bundled hybrid. One process, side by side.
 
-    scripts/bench-delta [--lengths 512 1024 2048] [--key-heads 16 --value-heads 32 --dim 128]
-    scripts/bench-delta --chunks 64 128 256 [--lengths 2048]   the op's chunk size only
+    scripts/bench-delta.py [--lengths 512 1024 2048] [--key-heads 16 --value-heads 32 --dim 128]
+    scripts/bench-delta.py --chunks 64 128 256 [--lengths 2048]   the op's chunk size only
 """
 
 import argparse
@@ -14,12 +14,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import mlx.core as mx  # noqa: E402
+from mlx_lm.models.gated_delta import gated_delta_ops  # noqa: E402
+
 from mlxwalk import bench, delta, models  # noqa: E402  (mlxwalk before mlx: see mlxwalk/_blas.py)
 from mlxwalk.delta import gated_delta  # noqa: E402
 from mlxwalk.exactness import prepare  # noqa: E402
-
-import mlx.core as mx  # noqa: E402
-from mlx_lm.models.gated_delta import gated_delta_ops  # noqa: E402
 
 MIB = 1 << 20
 
@@ -62,8 +62,10 @@ def fwd_bwd(fn, xs, repeats):
 
 def chunk_sizes(a) -> int:
     """The chunked op's forward+backward at each chunk size (see delta.chunk_size)."""
-    print(f"mlx {mx.__version__} on {mx.default_device()}, {platform.machine()}; gated delta "
-          f"layer {a.key_heads}/{a.value_heads} heads, dim {a.dim}, float32, forward+backward")
+    print(
+        f"mlx {mx.__version__} on {mx.default_device()}, {platform.machine()}; gated delta "
+        f"layer {a.key_heads}/{a.value_heads} heads, dim {a.dim}, float32, forward+backward"
+    )
     print("| T | chunk | seconds | peak MiB |\n|---:|---:|---:|---:|")
     for t in a.lengths:
         xs = layer_inputs(t, a.key_heads, a.value_heads, a.dim)
@@ -86,18 +88,27 @@ def main() -> int:
     a = p.parse_args()
     if a.chunks:
         return chunk_sizes(a)
-    print(f"mlx {mx.__version__} on {mx.default_device()}, {platform.machine()} {platform.system()}")
-    print(f"gated delta layer: {a.key_heads} key heads, {a.value_heads} value heads, head dim "
-          f"{a.dim}, float32, forward+backward (grad of every input)")
-    print("| T | per-token s | chunked s | speed-up | per-token peak MiB | chunked peak MiB |"
-          " memory ratio |")
+    print(
+        f"mlx {mx.__version__} on {mx.default_device()}, {platform.machine()} {platform.system()}"
+    )
+    print(
+        f"gated delta layer: {a.key_heads} key heads, {a.value_heads} value heads, head dim "
+        f"{a.dim}, float32, forward+backward (grad of every input)"
+    )
+    print(
+        "| T | per-token s | chunked s | speed-up | per-token peak MiB | chunked peak MiB |"
+        " memory ratio |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for t in a.lengths:
         xs = layer_inputs(t, a.key_heads, a.value_heads, a.dim)
         ts, ms = fwd_bwd(per_token, xs, a.repeats)
         tc, mc = fwd_bwd(gated_delta, xs, a.repeats)
-        print(f"| {t} | {ts:.2f} | {tc:.3f} | {ts / tc:.1f}x | {ms:,.0f} | {mc:,.0f} |"
-              f" {ms / mc:.1f}x |", flush=True)
+        print(
+            f"| {t} | {ts:.2f} | {tc:.3f} | {ts / tc:.1f}x | {ms:,.0f} | {mc:,.0f} |"
+            f" {ms / mc:.1f}x |",
+            flush=True,
+        )
     model, _ = models.load("tiny-qwen3_5")
     prepare(model)
     rows = [bench.measure(model, w, a.walk_window, 256, 2) for w in ("one-graph", "exact", "plain")]

@@ -3,7 +3,7 @@
 decode and train step of a window, and the isolated peaks of the chunk graph's two largest parts
 (attention's backward over the prefix, the cross-entropy's backward over the vocabulary).
 
-    scripts/profile-walk [--window 65536] [--chunk 8192] [--recompute] [--small]
+    scripts/profile-walk.py [--window 65536] [--chunk 8192] [--recompute] [--small]
 """
 
 import argparse
@@ -13,10 +13,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import mlx.core as mx  # noqa: E402
+
 from mlxwalk import bench  # noqa: E402  (mlxwalk before mlx: see mlxwalk/_blas.py)
 from mlxwalk.walk import ExactWalk, WalkConfig, Window  # noqa: E402
-
-import mlx.core as mx  # noqa: E402
 
 MIB = 1 << 20
 

@@ -22,10 +22,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import mlx.core as mx  # noqa: E402
+
 from mlxwalk import bench, delta  # noqa: E402  (mlxwalk before mlx: see mlxwalk/_blas.py)
 from mlxwalk.walk import WalkConfig  # noqa: E402
 
-import mlx.core as mx  # noqa: E402
 
 def out_dir() -> Path | None:
     out = os.environ.get("OUT")
