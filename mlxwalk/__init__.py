@@ -2,9 +2,9 @@
 
 from ._blas import use_openblas
 
-use_openblas()  # before anything loads mlx (see _blas.py)
+use_openblas()  # MLX's CPU GEMMs on OpenBLAS where pip installed it (see _blas.py)
 
-from .trainer import train  # noqa: E402
+from .plugin.trainer import train  # noqa: E402
 from .walk import WalkConfig, Window, one_graph, train_window, window_gradient  # noqa: E402
 
 __all__ = ["WalkConfig", "Window", "one_graph", "train", "train_window", "window_gradient"]

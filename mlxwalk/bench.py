@@ -274,7 +274,7 @@ def shaped(name: str, small: bool = False, bits: int | None = None):
 
     from mlx.utils import tree_flatten, tree_map
 
-    from . import adapters
+    from .training import adapters
 
     cfg = dict(SHAPES[name])
     if small:

@@ -10,7 +10,8 @@ from . import tiny
 
 
 def _test_walk_exact(args: argparse.Namespace) -> int:
-    from . import exactness, models
+    from . import exactness
+    from .training import models
 
     if args.model:
         chosen = [(args.model, str(models.resolve(args.model)))]
@@ -26,8 +27,8 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from .options import config_from
-    from .run import train_run
+    from .training.options import config_from
+    from .training.run import train_run
 
     train_run(config_from(args))
     return 0
@@ -36,7 +37,7 @@ def _train(args: argparse.Namespace) -> int:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mlxwalk", description=__doc__)
     sub = p.add_subparsers(dest="command")
-    from .options import add_flags
+    from .training.options import add_flags
 
     tr = sub.add_parser("train", help="train an adapter (no arguments: the bundled sample)")
     add_flags(tr)

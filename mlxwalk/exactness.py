@@ -25,10 +25,9 @@ import numpy as np
 from mlx import nn
 from mlx.utils import tree_flatten, tree_map
 
-from . import arch
 from .plan import MIB, OutOfMemory
-from .store import q8_fits
-from .walk import ExactWalk, WalkConfig, Window, train_window, window_gradient
+from .walk import ExactWalk, WalkConfig, Window, arch, train_window, window_gradient
+from .walk.store import q8_fits
 
 EXACT = "cosine >= 0.99999, relative L2 error <= 1e-4"
 BARS: dict[str, Callable[[float, float], bool]] = {  # (cosine, relative L2 error)

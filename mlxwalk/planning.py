@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import adapters, arch, budget
 from .plan import OutOfMemory, PlanError, mib
-from .store import check_cache_type
-from .walk import ExactWalk, WalkConfig, Window
+from .training import adapters
+from .walk import ExactWalk, WalkConfig, Window, arch, budget
+from .walk.store import check_cache_type
 
 
 def report(model, name: str, window: int, config: WalkConfig, echo=print) -> bool:
@@ -50,7 +50,7 @@ def report(model, name: str, window: int, config: WalkConfig, echo=print) -> boo
 def check(args) -> None:
     """The plan's options (TrainConfig's defaults where not given), range-checked before the
     model loads, each refusal naming its flag."""
-    from .config import TrainConfig, at_least, layers, positive
+    from .training.config import TrainConfig, at_least, layers, positive
 
     defaults = TrainConfig()
     for name in vars(args):
@@ -68,7 +68,7 @@ def check(args) -> None:
 
 
 def run(args) -> int:
-    from . import models
+    from .training import models
 
     check(args)
     model, _ = models.load(args.model)

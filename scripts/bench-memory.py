@@ -5,9 +5,9 @@ chunk's K/V and MLX's scaled_dot_product_attention, whose CPU/Metal VJP is unfus
 
     scripts/bench-memory.py [-m tiny-qwen2] [--windows 1024 4096 16384] [--chunk 512]
 
-Peaks are live sets: MLX is given a memory limit it always exceeds, so its scheduler waits for each
-task and frees as it goes (see mlxwalk/budget.py); without it, MLX's CPU backend allocates ahead
-of execution and the peak depends on scheduling.
+Peaks are live sets: MLX is given a memory limit it always exceeds, so its scheduler waits for
+each task and frees as it goes (see mlxwalk/walk/budget.py); without it, MLX's CPU backend
+allocates ahead of execution and the peak depends on scheduling.
 """
 
 import argparse
@@ -21,9 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from mlxwalk import budget, models  # noqa: E402  (mlxwalk before mlx: see mlxwalk/_blas.py)
+from mlxwalk import models  # noqa: E402  (mlxwalk before mlx: see mlxwalk/_blas.py
 from mlxwalk.exactness import prepare  # noqa: E402
-from mlxwalk.walk import ExactWalk, WalkConfig, Window  # noqa: E402
+from mlxwalk.walk import ExactWalk, WalkConfig, Window, budget  # noqa: E402
 
 MIB = 1 << 20
 

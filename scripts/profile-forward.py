@@ -18,10 +18,10 @@ sys.path.insert(0, str(ROOT))
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 
-from mlxwalk import bench  # noqa: E402  (mlxwalk before mlx: see mlxwalk/_blas.py)
+from mlxwalk import bench  # noqa: E402  (mlxwalk before mlx: see mlxwalk/_blas.py
 from mlxwalk.plan import cut  # noqa: E402
-from mlxwalk.taps import ChunkKV  # noqa: E402
 from mlxwalk.walk import ExactWalk, WalkConfig, Window, _ChunkRunner, one_graph, walking  # noqa: E402
+from mlxwalk.walk.taps import ChunkKV  # noqa: E402
 
 MIB = 1 << 20
 

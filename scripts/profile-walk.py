@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import mlx.core as mx  # noqa: E402
 
-from mlxwalk import bench  # noqa: E402  (mlxwalk before mlx: see mlxwalk/_blas.py)
+from mlxwalk import bench  # noqa: E402  (mlxwalk before mlx: see mlxwalk/_blas.py
 from mlxwalk.walk import ExactWalk, WalkConfig, Window  # noqa: E402
 
 MIB = 1 << 20

@@ -3,8 +3,19 @@
 import mlx.core as mx
 import pytest
 
-from mlxwalk.attention import Prefix, chunk_attention, reference_attention
-from mlxwalk.store import KVStore
+from mlxwalk.ops.attention import Prefix, chunk_attention
+from mlxwalk.walk.store import KVStore
+
+
+def reference_attention(q, k, v, scale, offset=0):
+    """The naive reference: unfused attention over full K/V, causal with an `offset`."""
+    hq, hkv = q.shape[1], k.shape[1]
+    k, v = mx.repeat(k, hq // hkv, axis=1), mx.repeat(v, hq // hkv, axis=1)
+    s = (q * scale) @ k.swapaxes(-1, -2)
+    n, m = s.shape[-2:]
+    mask = (mx.arange(n)[:, None] + offset) >= mx.arange(m)[None]
+    s = mx.where(mask, s, -mx.inf)
+    return mx.softmax(s, axis=-1) @ v
 
 
 def rel(a, b):

@@ -5,9 +5,10 @@ import logging
 import numpy as np
 import pytest
 
-from mlxwalk import budget
 from mlxwalk.plan import MIB, OutOfMemory
-from mlxwalk.walk import ExactWalk, WalkConfig, Window
+from mlxwalk.walk import ExactWalk, WalkConfig, Window, budget
+from mlxwalk.walk import probe as probes
+from mlxwalk.walk.exact import probe
 
 
 def window(n, seed=0):
@@ -20,7 +21,7 @@ def window(n, seed=0):
 def test_estimate_is_within_15_percent_of_the_measured_peak(measured, model, n, chunk, horizon):
     model = measured[model]
     walk = ExactWalk(model, window(n), WalkConfig(chunk=chunk, horizon=horizon))
-    acts = budget.probe(model, chunk)
+    acts = probe(model, chunk)
     est = budget.estimate(model, walk.layout, acts, walk.plan, "float32", optimizer_factor=2)
     measured = budget.live_peak(walk.run)
     predicted = est.total - est.weights  # the weights were loaded before the measurement
@@ -31,7 +32,7 @@ def budgets(model, n, chunk):
     """(the walk's memory with one chunk of taps, with every prefix position tapped) for the last
     chunk: weights, adapter, store, accumulators and the graph."""
     walk = ExactWalk(model, window(n), WalkConfig(chunk=chunk))
-    acts = walk.acts = budget.probe(model, chunk)
+    acts = walk.acts = probe(model, chunk)
     est = walk.measure(walk.plan)  # with whatever else is alive, as the walk counts it
     fp = walk.layout.footprint()
     rest = est.total - est.graph
@@ -70,8 +71,8 @@ def test_strict_exact_refuses_what_the_budget_would_narrow(measured):
 
 
 def test_narrowing_shows_on_the_progress_line_and_the_epoch_line(capsys):
-    from mlxwalk import report
-    from mlxwalk.run import Epoch
+    from mlxwalk.training import report
+    from mlxwalk.training.run import Epoch
 
     bar = report.progress(2, enabled=True)
     bar.lines, bar.live = True, False
@@ -94,9 +95,9 @@ def test_a_budget_below_one_chunk_of_taps_is_refused_before_the_walk(measured):
 
 
 def test_the_probe_is_keyed_by_everything_that_changes_it(qwen2):
-    key = budget.probe_key(qwen2, 256, False, "auto")
-    assert budget.probe_key(qwen2, 256, False, "auto") == key
+    key = probes.probe_key(qwen2, 256, False, "auto")
+    assert probes.probe_key(qwen2, 256, False, "auto") == key
     for other in [(512, False, "auto"), (256, True, "auto"), (256, False, "fused")]:
-        assert budget.probe_key(qwen2, *other) != key
+        assert probes.probe_key(qwen2, *other) != key
     qwen2.layers[0].self_attn.q_proj.lora_a = qwen2.layers[0].self_attn.q_proj.lora_a[:, :4]
-    assert budget.probe_key(qwen2, 256, False, "auto") != key  # another adapter shape
+    assert probes.probe_key(qwen2, 256, False, "auto") != key  # another adapter shape

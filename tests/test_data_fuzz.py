@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from mlxwalk import data
-from mlxwalk.data import DataError
+from mlxwalk.training import data
+from mlxwalk.training.data import DataError
 
 VOCAB = 320  # the tiny models' (mlxwalk.tiny.VOCAB_SIZE)
 FUZZ = settings(

@@ -4,7 +4,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.gated_delta import gated_delta_ops
 
-from mlxwalk.delta import _substitute, gated_delta, unit_lower_inverse
+from mlxwalk.ops.delta import _substitute, gated_delta, unit_lower_inverse
 
 NAMES = ("q", "k", "v", "log_g", "beta", "state")
 

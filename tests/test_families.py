@@ -8,9 +8,10 @@ import mlx_lm
 import numpy as np
 import pytest
 
-from mlxwalk import arch, tiny, window_gradient
-from mlxwalk.delta import fast_recurrence
+from mlxwalk import tiny, window_gradient
 from mlxwalk.exactness import BARS, EXACT, compare, prepare
+from mlxwalk.ops.delta import fast_recurrence
+from mlxwalk.walk import arch
 
 N = 128
 IDS = np.random.default_rng(5).integers(0, 256, N + 1)
@@ -35,7 +36,7 @@ def test_each_family_is_walked_exactly(name):
 
 @pytest.mark.parametrize("name", ["tiny-qwen3_5", "tiny-qwen3_next"])
 def test_the_chunked_delta_rule_matches_mlx_lms_recurrence(name):
-    """one_graph runs the delta rule chunked (mlxwalk/delta.py); mlx-lm runs it token by token.
+    """one_graph runs the delta rule chunked (mlxwalk/ops/delta.py); mlx-lm runs it token by token.
     The same logits and the same gradient, to float32 rounding."""
     model, _ = mlx_lm.load(str(tiny.path(name)))
     model = prepare(model)

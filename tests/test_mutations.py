@@ -5,8 +5,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxwalk import accum, taps, window_gradient
+from mlxwalk import window_gradient
 from mlxwalk.exactness import BARS, EXACT, compare
+from mlxwalk.walk import accum, taps
 
 N = 128
 IDS = np.random.default_rng(2).integers(0, 256, N + 1)

@@ -34,21 +34,50 @@ def lora(*args):
 
 
 def test_lora_cli_takes_mlx_lm_arguments_and_yaml(qwen2_path, data_dir, tmp_path):
+    """An mlx-lm LoRA config with every key a walk honours, numbers as mlx-lm writes them."""
     config = tmp_path / "c.yaml"
     config.write_text(
-        f"model: {qwen2_path}\ntrain: true\ndata: {data_dir}\niters: 3\nbatch_size: 1\n"
-        "learning_rate: 1e-3\nsteps_per_report: 1\nsteps_per_eval: 2\nnum_layers: 2\n"
-        "clear_cache_threshold: 0\ntrust_remote_code: false\nproject_name: null\n"
-        f"adapter_path: {tmp_path / 'ad'}\nlora_parameters:\n  rank: 4\n  scale: 10.0\n"
-        "  dropout: 0.0\nchunk: 128\n"
+        f"model: {qwen2_path}\ntrain: true\ntest: false\ndata: {data_dir}\nseed: 3\n"
+        "fine_tune_type: lora\noptimizer: adamw\noptimizer_config:\n  adamw:\n"
+        "    weight_decay: 0.01\nnum_layers: 2\nbatch_size: 1\niters: 4\nval_batches: -1\n"
+        "learning_rate: 1e-3\nsteps_per_report: 1\nsteps_per_eval: 2\n"
+        "resume_adapter_file: null\nsave_every: 2\ntest_batches: 10\nmax_seq_length: 4096\n"
+        "grad_checkpoint: true\ngrad_accumulation_steps: 1\nclear_cache_threshold: 0\n"
+        "lr_schedule:\n  name: cosine_decay\n  warmup: 2\n  warmup_init: 1e-7\n"
+        "  arguments: [1e-3, 100, 1e-7]\nlora_parameters:\n  keys: [self_attn.q_proj]\n"
+        "  rank: 4\n  scale: 10.0\n  dropout: 0.0\nmask_prompt: true\nreport_to: null\n"
+        f"project_name: null\ntrust_remote_code: false\nadapter_path: {tmp_path / 'ad'}\n"
+        "chunk: 128\n"
     )
-    p = lora("-c", str(config), "--grad-checkpoint")
+    p = lora("-c", str(config))
     assert p.returncode == 0, p.stderr
-    assert "Iter 3: Train loss" in p.stdout and "Val loss" in p.stdout
+    assert "Iter 4: Train loss" in p.stdout and "Iter 1: Val loss" in p.stdout  # it=2, as mlx-lm
+    rates = [float(line.split("Learning Rate ")[1].split(",")[0])
+             for line in p.stdout.splitlines() if "Learning Rate" in line]  # fmt: skip
+    assert rates[0] < rates[1] <= 1e-3  # the warmup, then the peak
     saved = json.loads((tmp_path / "ad" / "adapter_config.json").read_text())
     assert saved["lora_parameters"]["rank"] == 4 and saved["num_layers"] == 2
+    assert (tmp_path / "ad" / "0000002_adapters.safetensors").exists()
     model, _ = mlx_lm.load(qwen2_path, adapter_path=str(tmp_path / "ad"))
     assert model.layers[-1].self_attn.q_proj.lora_a.shape[-1] == 4
+    assert not hasattr(model.layers[-1].self_attn.k_proj, "lora_a")  # keys honoured
+
+
+def test_lora_cli_report_to_an_uninstalled_logger_is_one_line(qwen2_path, data_dir, tmp_path):
+    p = lora("--model", qwen2_path, "--train", "--data", str(data_dir), "--num-layers", "2",
+             "--report-to", "wandb", "--adapter-path", str(tmp_path / "ad"))  # fmt: skip
+    assert p.returncode == 2 and "--report-to wandb: wandb is not installed" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr and not (tmp_path / "ad").exists()
+
+
+def test_max_seq_length_cuts_only_when_given_and_says_so(qwen2_path, data_dir, tmp_path):
+    base = ["--model", qwen2_path, "--train", "--data", str(data_dir), "--num-layers", "2",
+            "--iters", "1", "--chunk", "128"]  # fmt: skip
+    whole = lora(*base, "--adapter-path", str(tmp_path / "a"))
+    assert whole.returncode == 0 and "max_seq_length" not in whole.stdout, whole.stderr
+    cut = lora(*base, "--max-seq-length", "64", "--adapter-path", str(tmp_path / "b"))
+    assert cut.returncode == 0, cut.stderr
+    assert "longer than max_seq_length (64) and are cut to it" in cut.stdout
 
 
 @pytest.mark.parametrize(
@@ -57,6 +86,7 @@ def test_lora_cli_takes_mlx_lm_arguments_and_yaml(qwen2_path, data_dir, tmp_path
         (["--batch-size", "4"], "batch_size 4"),
         (["--fine-tune-type", "dora"], "fine-tune-type 'dora'"),
         (["--optimizer", "lion"], "optimizer 'lion' is unknown"),
+        (["--fine-tune-type", "full"], "fine-tune-type 'full'"),
         (["--lr-schedule-typo"], "unrecognized arguments"),
     ],
 )

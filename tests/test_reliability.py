@@ -15,11 +15,16 @@ import mlx_lm
 import numpy as np
 import pytest
 
-from mlxwalk import budget, cli, lora, run, tiny
-from mlxwalk.guards import NonFinite
+from mlxwalk import cli, tiny
 from mlxwalk.plan import MIB, OutOfMemory, PlanError
-from mlxwalk.run import TrainConfig, train_run
-from mlxwalk.walk import ExactWalk, WalkConfig, Window, window_gradient
+from mlxwalk.plugin import lora
+from mlxwalk.training import run
+from mlxwalk.training.run import TrainConfig, train_run
+from mlxwalk.training.watch import BUDGET_MARGIN
+from mlxwalk.walk import ExactWalk, WalkConfig, Window, budget, window_gradient
+from mlxwalk.walk import probe as probes
+from mlxwalk.walk.exact import probe
+from mlxwalk.walk.guards import NonFinite
 
 from .test_train import chat
 
@@ -285,11 +290,11 @@ def test_a_learning_rate_that_wrecks_the_model_is_said_so(qwen2_path, chats, tmp
     r = run.Run(quick(qwen2_path, chats, tmp_path / "r", lr=1e6), echo=lines.append)
     assert any("--lr 1e+06 is far above" in line for line in lines)
     uniform = math.log(r.layout.vocab)
-    example = r.train_set.examples[0]
-    r.check_collapse(0.5 * uniform, example)
-    r.check_collapse(0.7 * uniform, example)
+    where = r.train_set.examples[0].where
+    r.watch.collapse(1, where, 0.5 * uniform)
+    r.watch.collapse(2, where, 0.7 * uniform)
     assert not any("diverged" in line for line in lines)
-    r.check_collapse(uniform + 0.01, example)
+    r.watch.collapse(3, where, uniform + 0.01)
     assert any("training has diverged" in line for line in lines)
 
 
@@ -302,20 +307,23 @@ def small_vocab(tmp_path_factory) -> str:
 
 
 def test_probes_draw_ids_the_model_has(small_vocab, monkeypatch):
-    from mlxwalk import exactness, walk
+    from mlxwalk import exactness
 
     model, _ = mlx_lm.load(small_vocab)
     seen = []
-    real = walk.window_gradient
+    real = probes.measure
 
-    def spy(m, inputs, targets, *a, **kw):
-        seen.append(max(np.max(inputs), np.max(targets)))
-        return real(m, inputs, targets, *a, **kw)
+    def spy(model, chunk, peak):
+        def peak_seen(ids, n, horizon):
+            seen.append(int(np.max(ids[: n + 1])))
+            return peak(ids, n, horizon)
 
-    monkeypatch.setattr(walk, "window_gradient", spy)
-    monkeypatch.setattr(budget, "TILE", 64)  # a short probe: only its ids are looked at
-    budget._probes.clear()
-    acts = budget.probe(model, 64)
+        return real(model, chunk, peak_seen)
+
+    monkeypatch.setattr(probes, "measure", spy)
+    monkeypatch.setattr(probes, "TILE", 64)  # a short probe: only its ids are looked at
+    monkeypatch.setattr(probes, "_probes", {})  # a fresh cache, the shared one kept
+    acts = probe(model, 64)
     assert seen and max(seen) < 212 and acts.graph < 256 * MIB
     table = exactness.Table(exactness.prepare(model), "vocab212")
     assert max(table.x.max(), table.y.max()) < 212
@@ -351,7 +359,7 @@ def test_the_memory_budget_bounds_the_measured_peak_or_refuses(measured, model):
     mx.reset_peak_memory()
     walk.run()
     held = mx.get_peak_memory()
-    assert held <= cap * (1 + run.BUDGET_MARGIN), (held / MIB, cap / MIB, full / MIB)
+    assert held <= cap * (1 + BUDGET_MARGIN), (held / MIB, cap / MIB, full / MIB)
     assert 0 < walk.horizon_used < 1536  # it had to give something up, and said so
     with pytest.raises(OutOfMemory, match="device memory: the walk needs .* memory budget is"):
         ExactWalk(model, window, WalkConfig(chunk=256, memory_budget_mib=least * 0.9 / MIB))
@@ -391,7 +399,7 @@ def test_q8_is_refused_and_not_offered_for_heads_mlx_cannot_quantize(narrow_head
         run.Run(quick(narrow_heads, chats, tmp_path / "r", cache_type="q8"), echo=quiet)
     assert not (tmp_path / "r").exists()
     model, _ = mlx_lm.load(narrow_heads)
-    from mlxwalk import arch
+    from mlxwalk.walk import arch
 
     assert "q8" not in budget.what_fits(arch.inspect(model), "float32")
 

@@ -3,7 +3,7 @@ assistant turn is labelled as it appears in the whole conversation. BOS as mlx-l
 
 import pytest
 
-from mlxwalk import data
+from mlxwalk.training import data
 
 # Qwen3's shape: an assistant turn after the last user turn, when it is the final message, opens
 # with an empty think block; earlier turns render without one.

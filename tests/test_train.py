@@ -13,7 +13,7 @@ import mlx.core as mx
 import mlx_lm
 import pytest
 
-from mlxwalk.run import TrainConfig, train_run
+from mlxwalk.training.run import TrainConfig, train_run
 
 ROOT = Path(__file__).resolve().parent.parent
 

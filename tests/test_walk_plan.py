@@ -104,4 +104,4 @@ def test_without_following_runs_chunks_are_consecutive_and_carry_their_weights()
     assert [(c.start, c.end) for c in chunks] == [(0, 8), (8, 16), (16, 24), (24, 25)]
     assert [c.weight for c in chunks] == [0.0, 6.0, 3.0, 1.0]
     plan = plan_window(w, 8, ATTN, follow_runs=False)
-    assert sum(c.loss_scale for c in plan.chunks) == pytest.approx(1.0)
+    assert sum(c.weight for c in plan.chunks) == sum(w)

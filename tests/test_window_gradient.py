@@ -59,7 +59,7 @@ def test_bad_input_raises_value_error(qwen2, kwargs, inputs, match):
 def test_loss_in_blocks_is_exact(name, request, monkeypatch):
     import mlx.core as mx
 
-    from mlxwalk import arch, loss
+    from mlxwalk.walk import arch, loss
 
     model = request.getfixturevalue(name)
     head = arch.head(model)
@@ -91,7 +91,7 @@ def test_dropout_gets_a_seed_and_refuses_recompute(qwen2):
 
 @pytest.mark.parametrize("split", [True, False])  # by layer, or mx.checkpoint in one graph
 def test_recompute_is_exact_with_and_without_the_head_split(qwen2, monkeypatch, split):
-    from mlxwalk import arch
+    from mlxwalk.walk import arch
 
     if not split:
         monkeypatch.setattr(arch, "head", lambda model: None)
@@ -136,7 +136,8 @@ def test_dropout_draws_the_same_masks_in_a_chunks_decode_and_its_graph(qwen2, mo
 def test_exact_after_mlx_lm_grad_checkpoint_patched_the_layer_class(qwen2, monkeypatch):
     """mlx-lm's grad_checkpoint replaces the layer class's call with an mx.checkpoint that would
     hold the taps as constants; the walk runs the call beneath it."""
-    from mlxwalk import bench, taps
+    from mlxwalk import bench
+    from mlxwalk.walk import taps
 
     monkeypatch.setattr(taps, "_walk_classes", {})  # no walk class made before the patch
     w = np.ones(N)

@@ -14,7 +14,7 @@ import mlx.core as mx
 from mlx import nn
 from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 
-from .plan import Footprint, PlanError
+from ..plan import Footprint, PlanError
 
 # Families whose attention goes through cache.update_and_fetch with a plain causal mask and whose
 # recurrent layers keep their state in an ArraysCache; each is exercised by the tests.

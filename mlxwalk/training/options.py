@@ -7,8 +7,8 @@ import argparse
 from dataclasses import fields
 from pathlib import Path
 
+from ..plan import PlanError
 from .config import TrainConfig
-from .plan import PlanError
 
 
 def flags(plan: bool = False) -> dict[str, tuple[str, str]]:

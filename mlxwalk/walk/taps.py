@@ -22,7 +22,7 @@ import mlx.core as mx
 from mlx import nn
 from mlx_lm.models.cache import create_attention_mask
 
-from .attention import Prefix
+from ..ops.attention import Prefix
 
 
 def inner(a: mx.array, b: mx.array) -> mx.array:

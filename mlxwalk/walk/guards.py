@@ -7,7 +7,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from .plan import PlanError
+from ..plan import PlanError
 
 
 def check_ids(window, vocab: int) -> None:

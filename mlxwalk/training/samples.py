@@ -84,4 +84,4 @@ def make(root: Path) -> None:
 
 
 def folder(name: str = "conversations") -> Path:
-    return Path(__file__).resolve().parent / "data" / name
+    return Path(__file__).resolve().parent.parent / "data" / name

@@ -147,22 +147,10 @@ def chunk_attention(
     return attend(*inputs)[0]
 
 
-def reference_attention(q, k, v, scale, offset=0):
-    """Unfused attention over full K/V with a causal mask offset by `offset`, for tests."""
-    hq, hkv = q.shape[1], k.shape[1]
-    k, v = mx.repeat(k, hq // hkv, axis=1), mx.repeat(v, hq // hkv, axis=1)
-    s = (q * scale) @ k.swapaxes(-1, -2)
-    n, m = s.shape[-2:]
-    mask = (mx.arange(n)[:, None] + offset) >= mx.arange(m)[None]
-    s = mx.where(mask, s, -mx.inf)
-    return mx.softmax(s, axis=-1) @ v
-
-
 def _attend(queries, keys, values, cache, scale, mask, sinks=None):
     """mlx-lm's `scaled_dot_product_attention`, routed to `chunk_attention` for walk caches."""
-    from .taps import ChunkKV
-
-    tiled = isinstance(cache, ChunkKV) and cache.tiled and sinks is None
+    # A walk's ChunkKV says whether it is tiled; mlx-lm's own caches have no such attribute.
+    tiled = getattr(cache, "tiled", False) is True and sinks is None
     if tiled and (mask is None or isinstance(mask, str)):
         return chunk_attention(
             queries, cache.keys, cache.values, cache.prefix, cache.grad_from, cache.taps, scale

@@ -19,9 +19,9 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
+from ..plan import PlanError
 from . import adapters
 from .files import sweep, write_text
-from .plan import PlanError
 
 MANIFEST = "run.json"
 RUN_FILES = (MANIFEST, "adapters.safetensors", "adapter_config.json", "report.json", "loss.png")

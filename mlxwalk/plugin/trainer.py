@@ -23,10 +23,9 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from . import arch
-from .guards import NonFinite, check_ids
-from .plan import PlanError
-from .walk import WalkConfig, Window, train_window, window_loss
+from ..plan import PlanError
+from ..walk import WalkConfig, Window, arch, train_window, window_loss
+from ..walk.guards import NonFinite, check_ids
 
 NO_CUT = 1 << 31  # a max_seq_length that cuts nothing
 
@@ -173,7 +172,7 @@ def clear_cache(threshold: int) -> None:
 def save(model, file: Path, iteration: int | None, config: dict | None = None) -> None:
     import json
 
-    from .files import atomic_write, write_text
+    from ..training.files import atomic_write, write_text
 
     weights = dict(tree_flatten(model.trainable_parameters()))
     if config is not None:  # first, so an adapter is never without its config

@@ -25,16 +25,16 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_map
 
-from . import adapters, arch, budget, data, models, report, samples
+from ..plan import MIB, PlanError
+from ..walk import Window, arch, budget, train_window, window_loss
+from ..walk.guards import NonFinite
+from ..walk.store import check_cache_type
+from . import adapters, data, models, report, samples, windows
 from .config import TrainConfig
 from .files import NewFolder, sweep
-from .guards import NonFinite
-from .plan import MIB, PlanError
 from .runfolder import Position, RunFolder, identity
-from .store import check_cache_type
-from .walk import Window, train_window, window_loss
+from .watch import Watch
 
-BUDGET_MARGIN = 0.10  # a window's peak may pass the memory budget by this much before a warning
 SKIP_LIMIT = 5  # --on-nan skip: this many non-finite windows in a row stop the run
 LR_WARN = 0.1  # an Adam learning rate above this is announced as one that will diverge
 
@@ -101,11 +101,6 @@ def say(*args) -> None:
     print(*args, flush=True)
 
 
-def few(places: list[str], n: int = 3) -> str:
-    shown = ", ".join(places[:n])
-    return shown + (f" and {len(places) - n} more" if len(places) > n else "")
-
-
 class Run:
     """One training run: setup (every refusal happens here), then epochs of windows."""
 
@@ -125,21 +120,20 @@ class Run:
             raise PlanError(
                 f"--window {cfg.window} exceeds the model's maximum positions ({self.limit})"
             )
-        self.train_set, self.valid_set = self._load(data_folder)
+        loaded = windows.load(cfg, data_folder, self.tokenizer, self.layout.vocab, self.limit, echo)
+        self.train_set, self.valid_set = loaded.train, loaded.valid
+        self.window, self.window_asked = loaded.window, loaded.window_asked
         mx.random.seed(cfg.seed)
         adapters.apply(self.model, cfg.lora())
         self.optimizer = make_optimizer(cfg, self.steps())
         self.optimizer.init(self.model.trainable_parameters())
         self.position = Position()
         self.peak = 0
-        self.horizon_used = cfg.horizon
-        self.narrowed = self.over_budget = 0  # windows less than exact; windows past the budget
+        self.watch = Watch(cfg, self.layout.vocab, echo)
         self.streak = 0  # non-finite windows in a row (--on-nan skip)
         self.undo = None  # (position, adapter and optimizer state) at the window's start
         self.partial: Epoch | None = None  # the epoch row of a run stopped by --iters
         self.bar = None
-        self.first_loss: float | None = None
-        self.collapsed: int | None = None  # the window whose loss reached ln(vocabulary)
         if cfg.optimizer != "sgd" and cfg.lr > LR_WARN:
             echo(f"warning: --lr {cfg.lr:g} is far above what Adam trains LoRA with (1e-6 to "
                  "1e-3); expect the loss to diverge")  # fmt: skip
@@ -150,60 +144,11 @@ class Run:
         self.identity = identity(cfg, model_path, fingerprint, files, self.window)
         self.resumed_from = self._resume() if cfg.resume else None
 
-    def _load(self, folder: Path) -> tuple[data.Dataset, data.Dataset]:
-        cfg = self.cfg
-        whole = data.load(folder, "train", self.tokenizer, None, mask_prompt=cfg.mask_prompt)
-        if not whole.examples:
-            raise PlanError(f"no training example has a labelled token ({whole.source}: "
-                            f"{whole.skipped} rows, each skipped)")  # fmt: skip
-        whole.check_ids(self.layout.vocab)
-        longest = max(len(e) for e in whole.examples)
-        asked = cfg.window or cfg.chunk * math.ceil(longest / cfg.chunk)
-        self.window_asked = cfg.window or longest
-        self.window = min(asked, self.limit) if self.limit else asked
-        train = whole.fitted(self.window, cfg.fit)  # tokenized once: chats render turn by turn
-        if not train.examples:
-            raise PlanError(
-                f"every training example lost its labelled tokens when cut to the window of "
-                f"{self.window} tokens ({train.cut_away} cut away, --fit {cfg.fit}); raise "
-                "--window" + (" or try --fit middle" if cfg.fit == "left" else "")
-            )
-        if (folder / "valid.jsonl").exists():
-            valid = data.load(
-                folder, "valid", self.tokenizer, self.window, cfg.fit, cfg.mask_prompt
-            )
-            valid.check_ids(self.layout.vocab)
-        else:
-            rng = np.random.default_rng(cfg.seed)
-            order = rng.permutation(len(train.examples))
-            n_valid = int(round(len(order) * cfg.val_split))
-            valid = data.Dataset([train.examples[i] for i in order[:n_valid]])
-            train.examples = [train.examples[i] for i in sorted(order[n_valid:])]
-        if not train.examples:
-            raise PlanError(f"no training example is left after --val-split {cfg.val_split} "
-                            f"({train.source})")  # fmt: skip
-        self._announce(train, "training")
-        if valid.source:
-            self._announce(valid, "validation")
-        return train, valid
-
-    def _announce(self, ds: data.Dataset, what: str) -> None:
-        """Every skip and cut, counted and placed, on the console."""
-        if ds.skipped:
-            self.echo(f"data: {ds.skipped} {what} row(s) skipped, no labelled token: "
-                      f"{few(ds.skipped_where)}")  # fmt: skip
-        if ds.truncated:
-            self.echo(f"data: {ds.truncated} {what} example(s) longer than the window of "
-                      f"{self.window} tokens cut (--fit {self.cfg.fit})")  # fmt: skip
-        if ds.cut_away:
-            self.echo(f"data: {ds.cut_away} {what} example(s) dropped, every label cut away: "
-                      f"{few(ds.cut_away_where)}")  # fmt: skip
-
     def _admit(self):
         """The exact walk's plan for the largest window, and under a memory budget its estimate
         (refused here if it cannot fit). A window computes up to its last labelled position, so
         that, not its length, sizes it. Without a budget nothing is probed."""
-        from .walk import ExactWalk
+        from ..walk import ExactWalk
 
         if self.cfg.walk != "exact":
             return None
@@ -334,7 +279,7 @@ class Run:
             horizon=min(p.horizon or used, used) if narrowed else p.horizon,
         )  # fmt: skip
         self.peak = max(self.peak, peak)
-        self.watch(walk, peak, example)
+        self.watch.window(self.position.windows, example.where, walk.loss, used, peak)
         self.bar.window(walk.loss, len(example) / seconds, peak / MIB, used if narrowed else None)
 
     def snapshot(self):
@@ -367,42 +312,6 @@ class Run:
         if not saved:
             return "Nothing was saved."
         return f"The last checkpoint, {saved[-1]}, is as it was (resume with --resume)."
-
-    def watch(self, walk, peak: int, example: data.Example) -> None:
-        """Say where the user looks when a window was not exact or went past the budget."""
-        used = getattr(walk, "horizon_used", self.cfg.horizon)
-        if used != self.cfg.horizon:
-            self.horizon_used = used if self.horizon_used == 0 else min(self.horizon_used, used)
-            self.narrowed += 1
-            if self.narrowed == 1:
-                self.echo(f"warning: window {self.position.windows} ({example.where}): the memory "
-                          f"budget narrowed the horizon to {used} positions for its late chunks, "
-                          "so its gradient is not exact (each such window says so; counted in "
-                          "each epoch's line and report.json: windows_narrowed; --strict-exact "
-                          "refuses instead)")  # fmt: skip
-        self.check_collapse(walk.loss, example)
-        budget_bytes = (self.cfg.memory_budget_mib or 0) * MIB
-        if budget_bytes and peak > budget_bytes * (1 + BUDGET_MARGIN):
-            self.over_budget += 1
-            if self.over_budget == 1:
-                self.echo(f"warning: window {self.position.windows} peaked at {peak / MIB:,.0f} "
-                          f"MiB, past the memory budget of {budget_bytes / MIB:,.0f} MiB by more "
-                          f"than {BUDGET_MARGIN:.0%} (counted in report.json: "
-                          "windows_over_budget)")  # fmt: skip
-
-    def check_collapse(self, loss: float, example: data.Example) -> None:
-        """A loss that climbs to ln(vocabulary), what a uniform guess scores, from well below it:
-        the adapter has wrecked the model (too high a learning rate, as a rule). Said once."""
-        uniform = math.log(self.layout.vocab)
-        if self.first_loss is None:
-            self.first_loss = loss
-        elif self.collapsed is None and self.first_loss < 0.9 * uniform <= loss / 0.99:
-            self.collapsed = self.position.windows
-            self.echo(f"warning: window {self.collapsed} ({example.where}): loss {loss:.3f} is "
-                      f"that of a uniform guess over the {self.layout.vocab}-token vocabulary "
-                      f"(ln {self.layout.vocab} = {uniform:.3f}), from {self.first_loss:.3f} at "
-                      f"the first window: training has diverged; lower --lr (now "
-                      f"{self.cfg.lr:g})")  # fmt: skip
 
     def eval_due(self) -> bool:
         """--steps-per-eval: every so many windows, except where an epoch's end evaluates."""
@@ -502,14 +411,14 @@ class Run:
             "window_asked": self.window_asked,
             "chunk": cfg.chunk,
             "horizon": cfg.horizon,
-            "horizon_used": self.horizon_used,
-            "windows_narrowed": self.narrowed,
+            "horizon_used": self.watch.horizon_used,
+            "windows_narrowed": self.watch.narrowed,
             "memory_estimate_mib": round(est.total / MIB, 2) if est else None,
             "host_mib": round(self.largest.plan.host_bytes / MIB, 2) if self.largest else 0.0,
             "graph_mib": round(est.graph / MIB, 2) if est else None,
             "peak_mib": round(self.peak / MIB, 2),
-            "windows_over_budget": self.over_budget,
-            "diverged_at_window": self.collapsed,
+            "windows_over_budget": self.watch.over_budget,
+            "diverged_at_window": self.watch.collapsed,
             "windows_skipped_non_finite": self.position.skipped,
             "examples": len(self.train_set.examples),
             "examples_skipped": self.train_set.skipped,

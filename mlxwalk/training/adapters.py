@@ -12,8 +12,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from ..plan import PlanError
 from .files import atomic_write, write_text
-from .plan import PlanError
 
 LINEAR_TYPES = ("Linear", "QuantizedLinear", "SwitchLinear", "QuantizedSwitchLinear")
 

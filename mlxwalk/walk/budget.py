@@ -8,24 +8,20 @@ Two budgets:
   host:   the K/V gradient accumulators plus the recurrent checkpoints (sized by the plan); within
           a memory budget and unless given, it is what the rest leaves over.
 
-A chunk graph's activations are measured once per model and chunk size on a probe (a window of
-one chunk, then one whose last chunk taps a prefix two attention tiles long), since they depend on
-every layer's implementation; what grows with the window (the K/V store, the accumulators, the
+A chunk graph's activations are measured on the model (probe.py), since they depend on every
+layer's implementation; what grows with the window (the K/V store, the accumulators, the
 taps' gradient) is computed from the layout and the probe's slope in the tapped positions.
 """
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import mlx.core as mx
-import numpy as np
 from mlx.utils import tree_flatten
 
+from ..plan import MIB, Footprint, OutOfMemory, mib
 from . import store as kvstore
-from .attention import TILE
-from .plan import MIB, Footprint, OutOfMemory, mib
 
 
 @dataclass(frozen=True)
@@ -141,54 +137,6 @@ def admit(est: Estimate, budget_bytes: int | None, what: str) -> None:
         )
 
 
-_probes: dict[tuple, tuple[weakref.ref, Activations]] = {}
-
-
-def probe_key(model, chunk: int, recompute: bool, attention: str) -> tuple:
-    """Everything that changes a probe's result: the model object, the chunk, recompute, the
-    attention path, and the trainable parameters (which adapters, at which shapes and dtypes)."""
-    from mlx.utils import tree_flatten
-
-    trainable = tuple((k, tuple(v.shape), str(v.dtype))
-                      for k, v in tree_flatten(model.trainable_parameters()))  # fmt: skip
-    return id(model), chunk, recompute, attention, hash(trainable)
-
-
-def probe(model, chunk: int, recompute: bool = False, attention: str = "auto") -> Activations:
-    """Measure one chunk's graph at this chunk size: a window of one chunk (no prefix), then one
-    whose last chunk reads a prefix two attention tiles long, tapped whole and tapped over one
-    chunk only. Cached per `probe_key` (a probe belongs to the model object it measured)."""
-    key = probe_key(model, chunk, recompute, attention)
-    ref, acts = _probes.get(key, (None, None))
-    if ref is None or ref() is not model:  # an id is reused once its model is gone
-        from . import arch
-        from .walk import window_gradient
-
-        layout = arch.inspect(model)
-        width = layout.footprint().kv_width * 4
-        n_ids = chunk * (2 + 2 * TILE // chunk) + 1
-        ids = np.random.default_rng(0).integers(0, layout.vocab, n_ids)  # ids the model has
-
-        def graph(n, horizon=0):  # the walk's peak less the store and accumulators of n positions
-            peak = live_peak(
-                lambda: window_gradient(
-                    model, ids[:n], ids[1 : n + 1], np.ones(n), chunk=chunk, recompute=recompute,
-                    horizon=horizon, attention=attention,
-                )
-            )  # fmt: skip
-            return peak - 2 * n * width
-
-        far = chunk * -(-2 * TILE // chunk)  # a prefix well past one attention tile
-        one, whole, narrow = graph(chunk), graph(chunk + far), graph(chunk + far, chunk)
-        tap = max(0.0, (whole - narrow) / ((far - chunk) * width)) if far > chunk else 0.0
-        prefix = max(0.0, (narrow - one) / (far * width) - tap * chunk / far)
-        if far == chunk:  # one chunk of prefix: taps and prefix can't be told apart
-            tap, prefix = max(0.0, (whole - one) / (far * width)), 0.0
-        acts = Activations(chunk, one, tap, prefix)
-        _probes[key] = (weakref.ref(model), acts)
-    return acts
-
-
 def live_peak(fn) -> int:
     """Peak memory `fn` adds, with MLX made to free as it goes (a memory limit it always exceeds,
     so its scheduler waits for each task): the live set, not what an eager scheduler reserves."""
@@ -207,4 +155,4 @@ def live_peak(fn) -> int:
         mx.set_memory_limit(previous)
 
 
-__all__ = ["Activations", "Estimate", "MIB", "admit", "estimate", "live_peak", "probe", "what_fits"]
+__all__ = ["Activations", "Estimate", "MIB", "admit", "estimate", "live_peak", "what_fits"]

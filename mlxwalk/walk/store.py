@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .plan import PlanError
+from ..plan import PlanError
 
 CACHE_TYPES = ("float32", "float16", "bfloat16", "q8")
 _FLOAT = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}

@@ -6,10 +6,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 
-from . import adapters, data, tiny
-from .plan import PlanError
-from .store import check_cache_type
-from .walk import WalkConfig
+from .. import tiny
+from ..plan import PlanError
+from ..walk import WalkConfig
+from ..walk.store import check_cache_type
+from . import adapters, data
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
 SCHEDULES = ("cosine_decay", "linear_schedule")

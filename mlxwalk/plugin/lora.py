@@ -1,0 +1,353 @@
+"""`python -m mlxwalk.lora`: `mlx_lm.lora` with the walk as its trainer.
+
+Takes every argument and YAML key of mlx_lm.lora (numbers read as mlx-lm reads them), loads data
+with mlx-lm's loaders and batches it with its iterate_batches (the same labels and data order for
+the same seed), and writes mlx-lm's adapter files. Differences, each by design:
+  batch_size          1 (one window per step); grad_accumulation_steps 1
+  max_seq_length      cuts only when given (mlx-lm's default cuts at 2,048), and says so
+  grad_checkpoint     the walk's recompute (each chunk's graph layer by layer)
+  fine_tune_type      lora only (dora and full are refused)
+  report_to           wandb/swanlab through mlx-lm's callbacks, when installed
+Adds the walk's options (--walk, --chunk, --horizon, --cache-type, --host-budget-mib,
+--memory-budget-mib, --strict-exact, --overwrite). What the walk can't honour is refused in one
+line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import types
+from pathlib import Path
+
+from ..plan import PlanError
+from ..walk import WalkConfig, arch
+from ..walk.store import check_cache_type
+from .trainer import NO_CUT
+
+MLX_LM_FLAGS = {  # flag: (type, default), mlx_lm.lora's own
+    "model": (str, None),
+    "train": (bool, False),
+    "test": (bool, False),
+    "data": (str, "data"),
+    "fine_tune_type": (str, "lora"),
+    "optimizer": (str, "adam"),
+    "mask_prompt": (bool, False),
+    "num_layers": (int, 16),
+    "batch_size": (int, 1),
+    "iters": (int, 1000),
+    "val_batches": (int, 25),
+    "learning_rate": (float, 1e-5),
+    "steps_per_report": (int, 10),
+    "steps_per_eval": (int, 200),
+    "grad_accumulation_steps": (int, 1),
+    "resume_adapter_file": (str, None),
+    "adapter_path": (str, "adapters"),
+    "save_every": (int, 100),
+    "test_batches": (int, 500),
+    "max_seq_length": (int, None),  # mlx-lm cuts at 2,048; the walk only when asked
+    "grad_checkpoint": (bool, False),  # the walk's recompute
+    "seed": (int, 0),
+    "report_to": (str, None),  # wandb and/or swanlab, through mlx-lm's callbacks
+    "project_name": (str, None),
+    "clear_cache_threshold": (int, 0),
+    "trust_remote_code": (bool, False),
+}
+WALK_FLAGS = {
+    "overwrite": (bool, False),  # replace an adapter already in adapter_path
+    "walk": (str, "exact"),
+    "chunk": (int, 512),
+    "horizon": (int, 0),
+    "cache_type": (str, "float32"),
+    "host_budget_mib": (float, None),
+    "memory_budget_mib": (float, None),
+    "strict_exact": (bool, False),
+}
+YAML_ONLY = {"lora_parameters": {"rank": 8, "dropout": 0.0, "scale": 20.0}, "lr_schedule": None,
+             "optimizer_config": {}, "hf_dataset": None, "prompt_feature": "prompt",
+             "completion_feature": "completion", "text_feature": "text",
+             "chat_feature": "messages"}  # fmt: skip
+OPTIMIZERS = ("adam", "adamw", "sgd", "muon", "adafactor")  # the walk hands any of them gradients
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m mlxwalk.lora", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("-c", "--config")
+    for name, (kind, _) in {**MLX_LM_FLAGS, **WALK_FLAGS}.items():
+        flag = "--" + name.replace("_", "-")
+        if kind is bool:
+            p.add_argument(flag, action="store_true", default=None)
+        else:
+            p.add_argument(flag, type=kind, default=None)
+    return p
+
+
+def options(argv: list[str] | None) -> types.SimpleNamespace:
+    args = parser().parse_args(argv)
+    values = {k: d for k, (_, d) in {**MLX_LM_FLAGS, **WALK_FLAGS}.items()}
+    values.update(YAML_ONLY)
+    if args.config:
+        from ..training.options import read_mapping
+
+        values.update(typed(read_mapping(args.config, set(values) | {"config"})))
+    values.update({k: v for k, v in vars(args).items() if v is not None and k != "config"})
+    values["config"] = args.config
+    return types.SimpleNamespace(**values)
+
+
+def typed(values: dict) -> dict:
+    """A YAML config's values as the flags' types, or a refusal naming the key."""
+    from ..training.config import coerce
+
+    kinds = {**MLX_LM_FLAGS, **WALK_FLAGS}
+    out = dict(values)
+    for key, value in values.items():
+        if key in kinds:
+            kind, default = kinds[key]
+            out[key] = coerce(key, value, kind.__name__ + (" | None" if default is None else ""))
+    return out
+
+
+def refuse(o) -> None:
+    """What the walk can't honour, or values that make no sense, each named by its flag."""
+    from ..training.config import at_least, positive
+
+    if not (o.train or o.test):
+        raise PlanError("give --train, --test or both")
+    if o.fine_tune_type != "lora":
+        raise PlanError(f"fine-tune-type {o.fine_tune_type!r}: the walk trains LoRA adapters only")
+    if o.optimizer not in OPTIMIZERS:
+        raise PlanError(f"optimizer {o.optimizer!r} is unknown; choose {', '.join(OPTIMIZERS)}")
+    if not isinstance(o.optimizer_config, dict):
+        raise PlanError("optimizer_config must map an optimizer's name to its arguments")
+    if o.lr_schedule is not None and not (
+        isinstance(o.lr_schedule, dict) and isinstance(o.lr_schedule.get("name"), str)
+    ):
+        raise PlanError(
+            "lr_schedule must be a mapping with a name, as in mlx-lm "
+            "({name: cosine_decay, warmup: 100, arguments: [1e-5, 1000, 1e-7]})"
+        )
+    if o.model is None:
+        raise PlanError("--model is required")
+    if o.walk not in ("exact", "plain"):
+        raise PlanError(f"walk {o.walk!r} cannot train; choose exact or plain")
+    for name in ("iters", "num_layers", "steps_per_report", "steps_per_eval", "save_every",
+                 "max_seq_length", "chunk"):  # fmt: skip
+        at_least(name, getattr(o, name), 1)
+    at_least("horizon", o.horizon, 0, " (0 = the whole window)")
+    for name in ("val_batches", "test_batches"):
+        if getattr(o, name) == 0 or getattr(o, name) < -1:
+            raise PlanError(f"--{name.replace('_', '-')} must be at least 1 (or -1 for all)")
+    positive("learning_rate", o.learning_rate)
+    at_least("seed", o.seed, 0)
+    lp = o.lora_parameters
+    if not isinstance(lp, dict) or not isinstance(lp.get("rank"), int) or lp["rank"] < 1:
+        raise PlanError(f"lora_parameters: rank must be an integer of at least 1, got {lp!r}")
+    dropout, scale = lp.get("dropout", 0.0), lp.get("scale", 20.0)
+    if not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+        raise PlanError(f"lora_parameters: dropout must be a number in [0, 1), got {dropout!r}")
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+        raise PlanError(f"lora_parameters: scale must be a number, got {scale!r}")
+    positive("scale", float(scale))
+
+
+def claim(o) -> None:
+    """A training run never replaces another's adapter unless asked to, or continuing it."""
+    folder = Path(o.adapter_path)
+    held = [n for n in ("adapters.safetensors", "adapter_config.json") if (folder / n).exists()]
+    resuming = o.resume_adapter_file and Path(o.resume_adapter_file).resolve().parent == (
+        folder.resolve()
+    )
+    if held and not (o.overwrite or resuming):
+        raise PlanError(
+            f"adapter path {folder} holds an adapter already ({', '.join(held)}); pass "
+            f"--overwrite to replace it, --resume-adapter-file {folder / 'adapters.safetensors'} "
+            "to continue it, or another --adapter-path"
+        )
+
+
+def load_adapter(model, folder: str) -> None:
+    """The adapter under test, as mlx-lm builds it from adapter_config.json, loaded strictly."""
+    import mlx.core as mx
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    from ..training.adapters import load_strict
+
+    path = Path(folder)
+    for name in ("adapter_config.json", "adapters.safetensors"):
+        if not (path / name).exists():
+            raise PlanError(f"adapter path {path} has no {name} to test (train one with --train, "
+                            "or give --adapter-path '' to test the base model)")  # fmt: skip
+    config = json.loads((path / "adapter_config.json").read_text())
+    model.freeze()
+    linear_to_lora_layers(model, config["num_layers"], config["lora_parameters"])
+    load_strict(model, mx.load(str(path / "adapters.safetensors")), str(path))
+    print(f"Testing the adapter in {path} (rank {config['lora_parameters']['rank']}, "
+          f"{config['num_layers']} layers)", flush=True)  # fmt: skip
+
+
+def announce_cuts(dataset, max_seq_length: int | None) -> None:
+    """The walk cuts only at a max_seq_length given; when it does, it says how much."""
+    if max_seq_length is None:
+        return
+    lengths = [len(dataset[i][0]) for i in range(len(dataset))]
+    long = [n for n in lengths if n > max_seq_length]
+    if long:
+        print(f"[WARNING] {len(long)} of {len(lengths)} training items are longer than "
+              f"max_seq_length ({max_seq_length}) and are cut to it (the longest has "
+              f"{max(long)} tokens); the walk needs no cut: drop --max-seq-length to keep them "
+              "whole", flush=True)  # fmt: skip
+
+
+class PrintCallback:
+    """mlx-lm's report lines, then each callback it wraps (--report-to's, a caller's)."""
+
+    def __init__(self, *wrapped):
+        self.wrapped = [w for w in wrapped if w is not None]
+
+    def on_train_loss_report(self, info: dict) -> None:
+        print(f"Iter {info['iteration']}: Train loss {info['train_loss']:.3f}, "
+              f"Learning Rate {info['learning_rate']:.3e}, "
+              f"It/sec {info['iterations_per_second']:.3f}, "
+              f"Tokens/sec {info['tokens_per_second']:.1f}, "
+              f"Trained Tokens {info['trained_tokens']}, "
+              f"Peak mem {info['peak_memory']:.3f} GB", flush=True)  # fmt: skip
+        for w in self.wrapped:
+            w.on_train_loss_report(info)
+
+    def on_val_loss_report(self, info: dict) -> None:
+        print(f"Iter {info['iteration']}: Val loss {info['val_loss']:.3f}, "
+              f"Val took {info['val_time']:.3f}s", flush=True)  # fmt: skip
+        for w in self.wrapped:
+            w.on_val_loss_report(info)
+
+
+def reporting(o, callback=None) -> PrintCallback:
+    """mlx-lm's reporting callbacks for --report-to (wandb, swanlab), when installed."""
+    from mlx_lm.tuner.callbacks import get_reporting_callbacks
+
+    if not o.report_to:
+        return PrintCallback(callback)
+    try:
+        wrapped = get_reporting_callbacks(o.report_to, project_name=o.project_name,
+                                          log_dir=o.adapter_path, config=vars(o))  # fmt: skip
+    except ImportError as e:
+        raise PlanError(f"--report-to {o.report_to}: {e.name or e} is not installed") from None
+    except ValueError as e:
+        raise PlanError(f"--report-to {o.report_to}: {e}") from None
+    return PrintCallback(wrapped, callback)
+
+
+def run(o, training_callback=None) -> None:
+    """mlx_lm.lora's run with the walk as trainer; `training_callback` also gets the reports."""
+    import numpy as np
+    from mlx_lm.tuner.datasets import CacheDataset, load_dataset
+
+    from ..training import models
+    from . import trainer
+
+    refuse(o)
+    walk_config = WalkConfig(chunk=o.chunk, horizon=o.horizon, cache_type=o.cache_type,
+                             recompute=bool(o.grad_checkpoint), host_budget_mib=o.host_budget_mib,
+                             memory_budget_mib=o.memory_budget_mib,
+                             strict_exact=bool(o.strict_exact)).check()  # fmt: skip
+    trainer.check(o)
+    if o.train:
+        claim(o)
+    np.random.seed(o.seed)  # the data order, as mlx_lm.lora seeds it
+    callback = reporting(o, training_callback) if o.train else None
+    model, tokenizer = models.load(o.model, trust_remote_code=bool(o.trust_remote_code))
+    check_cache_type(o.cache_type, arch.inspect(model).head_dims)
+    train_set, valid_set, test_set = load_dataset(o, tokenizer)
+    args = training_args(o)
+    if o.train:
+        train(o, model, CacheDataset(train_set), CacheDataset(valid_set), args, walk_config,
+              callback)  # fmt: skip
+    elif o.adapter_path:
+        load_adapter(model, o.adapter_path)
+    else:
+        print("Testing the base model (no adapter)", flush=True)
+    if o.test:
+        loss = trainer.evaluate(model, CacheDataset(test_set), args, walk_config, o.test_batches)
+        print(f"Test loss {loss:.3f}, Test ppl {math.exp(loss):.3f}.", flush=True)
+
+
+def training_args(o):
+    from mlx_lm.tuner.trainer import TrainingArgs
+
+    return TrainingArgs(
+        batch_size=1, iters=o.iters, val_batches=o.val_batches,
+        steps_per_report=o.steps_per_report, steps_per_eval=o.steps_per_eval,
+        steps_per_save=o.save_every,
+        adapter_file=str(Path(o.adapter_path) / "adapters.safetensors"),
+        max_seq_length=o.max_seq_length or NO_CUT,
+        grad_checkpoint=bool(o.grad_checkpoint), clear_cache_threshold=o.clear_cache_threshold,
+    )  # fmt: skip
+
+
+def make_optimizer(o):
+    """mlx_lm.lora's optimizer: its class, its optimizer_config, its lr_schedule (with warmup)."""
+    import mlx.optimizers as optim
+    from mlx_lm.tuner.utils import build_schedule
+
+    try:
+        lr = build_schedule(o.lr_schedule) if o.lr_schedule else o.learning_rate
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        raise PlanError(f"lr_schedule {o.lr_schedule!r}: {e}") from None
+    classes = {"adam": optim.Adam, "adamw": optim.AdamW, "sgd": optim.SGD, "muon": optim.Muon,
+               "adafactor": optim.Adafactor}  # fmt: skip
+    settings = o.optimizer_config.get(o.optimizer, {}) or {}
+    try:
+        return classes[o.optimizer](learning_rate=lr, **settings)
+    except TypeError as e:
+        raise PlanError(f"optimizer_config for {o.optimizer}: {e}") from None
+
+
+def train(o, model, train_set, valid_set, args, walk_config, callback) -> None:
+    import mlx.core as mx
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    from ..training import adapters
+    from . import trainer
+
+    mx.random.seed(o.seed)  # the adapter's initial values, as mlx_lm.lora seeds them
+    model.freeze()
+    if o.num_layers > len(model.layers):
+        raise PlanError(f"--num-layers {o.num_layers} exceeds the model's {len(model.layers)} "
+                        "layers")  # fmt: skip
+    lora = adapters.LoraConfig(o.lora_parameters["rank"], o.lora_parameters.get("scale", 20.0),
+                               o.lora_parameters.get("dropout", 0.0), o.num_layers,
+                               o.lora_parameters.get("keys"))  # fmt: skip
+    adapters.check(model, lora)
+    linear_to_lora_layers(model, o.num_layers, o.lora_parameters)
+    if o.resume_adapter_file:
+        file = Path(o.resume_adapter_file)
+        if not file.is_file():
+            raise PlanError(f"--resume-adapter-file {file} does not exist")
+        adapters.load_strict(model, mx.load(str(file)), str(file))
+        print(f"Loading fine-tuned weights from {file}", flush=True)
+    announce_cuts(train_set, o.max_seq_length)
+    optimizer = make_optimizer(o)
+    config = {**{k: v for k, v in vars(o).items() if k != "overwrite"}, "fine_tune_type": "lora"}
+    trainer.train(model, optimizer, train_set, valid_set, args, training_callback=callback,
+                  walk=o.walk, walk_config=walk_config, adapter_config=config)  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    import signal
+
+    from ..cli import fail, on_sigterm
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        run(options(argv))
+    except (ValueError, FileNotFoundError, OSError, RuntimeError, KeyboardInterrupt) as e:
+        return fail("mlxwalk.lora", e)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

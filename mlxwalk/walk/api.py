@@ -1,0 +1,128 @@
+"""The walk's public entry points: a window's loss, its gradient (by either walk or as one graph,
+the reference), and one training step on it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import mlx.core as mx
+import mlx.optimizers as optim
+from mlx import nn
+
+from ..ops.delta import fast_recurrence
+from ..plan import PlanError, cut
+from .config import WALKS, WalkConfig, Window
+from .exact import ExactWalk
+from .guards import NonFinite, check_finite  # noqa: F401  (NonFinite: raised from here)
+from .loss import weighted_loss
+from .plain import PlainWalk
+from .runner import ChunkRunner, walking
+
+
+def window_loss(model: nn.Module, window: Window, config: WalkConfig, layout=None) -> float:
+    """The window's loss, decoded chunk by chunk with no gradient (for evaluation)."""
+    runner = ChunkRunner(model, window, config, layout)
+    chunks = cut(window.weights.tolist(), runner.config.chunk, runner.config.follow_runs)
+    losses: list = []
+    with walking(model, False):
+        runner._new_store(chunks[-1].end)
+        state = runner.zero_state()
+        for chunk in chunks:
+            state = runner.decode(chunk, state, losses=losses)
+    return float(sum(v.item() for v in losses))
+
+
+def one_graph(model: nn.Module, window: Window) -> tuple[mx.array, dict]:
+    """The reference: the whole window as one graph, no cache."""
+    x, y, w = window.arrays(0, len(window))
+
+    def objective(params):
+        model.update(params)
+        return weighted_loss(model(x), y, w, window.total)
+
+    with fast_recurrence(model):
+        return mx.value_and_grad(objective)(model.trainable_parameters())
+
+
+def window_gradient(
+    model: nn.Module,
+    inputs,
+    targets,
+    weights,
+    *,
+    chunk: int,
+    walk: str = "exact",
+    cache_type: str = "float32",
+    horizon: int = 0,
+    recompute: bool = False,
+    host_budget_mib: float | None = None,
+    memory_budget_mib: float | None = None,
+    accumulator_dtype: str = "float32",
+    attention: str = "auto",
+) -> tuple[float, dict]:
+    """The window's loss sum(w * CE) / sum(w) and its gradient in `model.trainable_parameters()`.
+
+    walk="exact" walks the window in chunks and equals "one-graph" to rounding; "plain" returns the
+    sum of its per-chunk gradients at the unchanged adapter. Raises ValueError for a window with no
+    labelled position, chunk < 1, or lengths that differ.
+    """
+    if walk not in WALKS:
+        raise PlanError(f"walk {walk!r} is unknown; choose one of {', '.join(WALKS)}")
+    window = Window.of(inputs, targets, weights)
+    config = WalkConfig(
+        chunk=chunk,
+        horizon=horizon,
+        cache_type=cache_type,
+        recompute=recompute,
+        host_budget_mib=host_budget_mib,
+        memory_budget_mib=memory_budget_mib,
+        accumulator_dtype=accumulator_dtype,
+        attention=attention,
+    ).check()
+    if walk == "one-graph":
+        loss, grads = one_graph(model, window)
+    elif walk == "exact":
+        loss, grads = ExactWalk(model, window, config).run()
+    else:
+        loss, grads = PlainWalk(model, window, config).run()
+    mx.eval(loss, grads)
+    return loss.item(), grads
+
+
+def train_window(
+    model: nn.Module,
+    optimizer,
+    window: Window,
+    config: WalkConfig,
+    walk: str = "exact",
+    on_chunk: Callable[[str, int, int], None] | None = None,
+    layout=None,  # the model's arch.Layout, when the caller has it (else read per window)
+    clip: float | None = None,  # each step's gradient clipped to this global L2 norm
+):
+    """Train on one window: the exact walk takes one step, the plain walk one per labelled chunk.
+    A refusal (memory, bad input) is raised before any array of the window exists or any step is
+    taken (a memory budget's probe, run once per model and chunk size, comes first); a NaN or
+    infinite loss or gradient raises NonFinite before the step that would apply it (the plain
+    walk may have stepped on the window's earlier chunks).
+    Returns the walk, whose `loss` holds the window's loss (at the adapter it started from)."""
+
+    def step(grads) -> None:
+        if clip is not None:
+            grads, _ = optim.clip_grad_norm(grads, clip)
+        optimizer.update(model, grads)
+
+    if walk == "exact":
+        runner = ExactWalk(model, window, config, layout)
+        runner.on_chunk = on_chunk
+        loss, grads = runner.run()
+        check_finite(loss, grads)
+        step(grads)
+    elif walk == "plain":
+        runner = PlainWalk(model, window, config, layout)
+        runner.on_chunk = on_chunk
+        loss, _ = runner.run(step=step)
+    else:
+        raise PlanError(f"walk {walk!r} cannot train; choose exact or plain")
+    mx.eval(model.parameters(), optimizer.state)
+    runner.loss = loss.item()
+    return runner

@@ -1,0 +1,76 @@
+"""The layout: the plan imports no array library, no module imports one that imports it back, and
+each layer imports only those beneath it (plan <- ops <- walk <- training <- plugin, cli)."""
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "mlxwalk"
+LAYERS = {"plan": 0, "ops": 1, "walk": 2, "training": 3, "plugin": 4}
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def imports(name: str, path: Path, known: dict) -> set[str]:
+    """The mlxwalk modules `name` imports, at the top or inside a function."""
+    is_package = path.name == "__init__.py"
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        if node.level:
+            base = name.split(".") if is_package else name.split(".")[:-1]
+            base = base[: len(base) - node.level + 1]
+            target = ".".join(base + ([node.module] if node.module else []))
+        elif (node.module or "").startswith("mlxwalk"):
+            target = node.module
+        else:
+            continue
+        for alias in node.names:
+            sub = f"{target}.{alias.name}"
+            found.add(sub if sub in known else target)
+    return {t for t in found if t in known and t != name}
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: imports(name, path, known) for name, path in known.items()}
+
+
+def test_no_import_cycles():
+    edges = graph()
+    done, path = set(), []
+
+    def visit(node):
+        if node in path:
+            raise AssertionError("import cycle: " + " -> ".join(path[path.index(node) :] + [node]))
+        if node in done:
+            return
+        path.append(node)
+        for target in edges[node]:
+            visit(target)
+        path.pop()
+        done.add(node)
+
+    for node in edges:
+        visit(node)
+
+
+def test_each_layer_imports_only_those_beneath_it():
+    for name, targets in graph().items():
+        layer = LAYERS.get(name.split(".")[1] if "." in name else "", None)
+        if layer is None:
+            continue
+        for target in targets:
+            below = LAYERS.get(target.split(".")[1] if "." in target else "", None)
+            assert below is None or below <= layer, f"{name} imports {target}, a layer above it"
+
+
+def test_the_plan_imports_no_array_library():
+    text = (PACKAGE / "plan.py").read_text()
+    assert "import mlx" not in text and "import numpy" not in text and "import torch" not in text
