@@ -14,9 +14,12 @@ def run(*args):
     )
 
 
-def test_test_walk_exact_json_on_a_model_folder(qwen2_path):
+def test_test_walk_exact_json_on_a_model_folder():
+    from mlxwalk import tiny
+
+    folder = str(tiny.path("tiny-llama"))  # the smallest attention model: the script's rows
     p = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "test-walk-exact.py"), "-m", qwen2_path, "--json"],
+        [sys.executable, str(ROOT / "scripts" / "test-walk-exact.py"), "-m", folder, "--json"],
         capture_output=True,
         text=True,
     )

@@ -584,3 +584,36 @@ def test_a_drop_in_run_killed_mid_training_leaves_a_loadable_adapter(qwen2_path,
                               str(ad / "adapters.safetensors")],
                              capture_output=True, text=True, cwd=ROOT)  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr
+
+
+# --- optimization options of mlxwalk train -------------------------------------------------------
+
+
+def test_schedule_warmup_clipping_and_evals_between(qwen2_path, chats, tmp_path):
+    lines = []
+    r = run.Run(quick(qwen2_path, chats, tmp_path / "r", epochs=2, lr_schedule="cosine_decay",
+                      warmup=2, grad_clip=0.5, optimizer="adamw", weight_decay=0.01,
+                      steps_per_eval=3), echo=lines.append)  # fmt: skip
+    assert r.steps() == 8  # 4 windows, 2 epochs: the schedule decays over every step
+    rates = [float(r.optimizer.learning_rate)]
+    report = r.train()
+    rates.append(float(r.optimizer.learning_rate))
+    assert rates[0] == 0.0 and 0 < rates[1] < 1e-3  # warmed up from 0, decayed from the peak
+    assert [w for w, _ in report["evals_between"]] == [3, 6]  # not at 4 and 8: epoch ends
+    assert any(line.startswith("window 3: eval_loss") for line in lines)
+    assert len(report["window_losses"]) == 8
+
+
+def test_grad_clip_bounds_the_step(qwen2):
+    import mlx.optimizers as optim
+    from mlx.utils import tree_flatten
+
+    from mlxwalk.walk import train_window
+
+    ids = np.random.default_rng(0).integers(0, 256, 129)
+    window = Window.of(ids[:-1], ids[1:], np.ones(128))
+    before = [v for _, v in tree_flatten(qwen2.trainable_parameters())]
+    train_window(qwen2, optim.SGD(learning_rate=1.0), window, WalkConfig(chunk=32), clip=1e-3)
+    after = [v for _, v in tree_flatten(qwen2.trainable_parameters())]
+    step = np.sqrt(sum(float(((a - b) ** 2).sum()) for a, b in zip(after, before)))
+    assert step == pytest.approx(1e-3, rel=1e-3)  # the whole step's norm is the clip

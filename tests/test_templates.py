@@ -1,42 +1,20 @@
 """Chat templates that render a turn differently when it is last, or add text of their own: each
 assistant turn is labelled as it appears in the whole conversation. BOS as mlx-lm adds it."""
 
+from pathlib import Path
+
 import pytest
 
 from mlxwalk.training import data
 
+TEMPLATES = Path(__file__).parent / "templates"
 # Qwen3's shape: an assistant turn after the last user turn, when it is the final message, opens
 # with an empty think block; earlier turns render without one.
-QWEN3_LIKE = (
-    "{%- set ns = namespace(last_user=-1) %}"
-    "{%- for m in messages %}{%- if m['role'] == 'user' %}{%- set ns.last_user = loop.index0 %}"
-    "{%- endif %}{%- endfor %}"
-    "{%- for m in messages %}"
-    "{%- if m['role'] == 'assistant' %}"
-    "{%- if loop.index0 > ns.last_user and loop.last %}"
-    "{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' + m['content'] + '<|im_end|>\\n' }}"
-    "{%- else %}{{- '<|im_start|>assistant\\n' + m['content'] + '<|im_end|>\\n' }}{%- endif %}"
-    "{%- else %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
-    "{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
+QWEN3_LIKE = (TEMPLATES / "qwen3_like.jinja").read_text()
 # A default system prompt with a date when none is given (Llama 3's shape).
-DATED = (
-    "{%- if messages[0]['role'] != 'system' %}"
-    "{{- '<|im_start|>system\\nCutting Knowledge Date: December 2023\\nToday Date: 30 Nov 2026"
-    "<|im_end|>\\n' }}{%- endif %}"
-    "{%- for m in messages %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
-    "'<|im_end|>\\n' }}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
+DATED = (TEMPLATES / "dated.jinja").read_text()
 # A template that renders earlier turns from a summary of the last: nothing to anchor.
-UNLABELLABLE = (
-    "{%- for m in messages %}{%- if m['role'] == 'assistant' and not loop.last %}"
-    "{{- '<|im_start|>assistant\\n[earlier reply]<|im_end|>\\n' }}"
-    "{%- else %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
-    "{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
+UNLABELLABLE = (TEMPLATES / "unlabellable.jinja").read_text()
 
 CHAT = [
     {"role": "user", "content": "Name a bird."},

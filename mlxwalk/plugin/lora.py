@@ -16,6 +16,7 @@ line.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import sys
@@ -27,48 +28,60 @@ from ..walk import WalkConfig, arch
 from ..walk.store import check_cache_type
 from .trainer import NO_CUT
 
-MLX_LM_FLAGS = {  # flag: (type, default), mlx_lm.lora's own
-    "model": (str, None),
-    "train": (bool, False),
-    "test": (bool, False),
-    "data": (str, "data"),
-    "fine_tune_type": (str, "lora"),
-    "optimizer": (str, "adam"),
-    "mask_prompt": (bool, False),
-    "num_layers": (int, 16),
-    "batch_size": (int, 1),
-    "iters": (int, 1000),
-    "val_batches": (int, 25),
-    "learning_rate": (float, 1e-5),
-    "steps_per_report": (int, 10),
-    "steps_per_eval": (int, 200),
-    "grad_accumulation_steps": (int, 1),
-    "resume_adapter_file": (str, None),
-    "adapter_path": (str, "adapters"),
-    "save_every": (int, 100),
-    "test_batches": (int, 500),
-    "max_seq_length": (int, None),  # mlx-lm cuts at 2,048; the walk only when asked
-    "grad_checkpoint": (bool, False),  # the walk's recompute
-    "seed": (int, 0),
-    "report_to": (str, None),  # wandb and/or swanlab, through mlx-lm's callbacks
-    "project_name": (str, None),
-    "clear_cache_threshold": (int, 0),
-    "trust_remote_code": (bool, False),
+# mlx_lm.lora's own options, from its own table of defaults, with the walk's differences.
+DIFFERENCES = {
+    "model": None,  # required: nothing is downloaded
+    "data": "data",  # a local folder (mlx-lm's default is a hub dataset)
+    "batch_size": 1,  # one window per step
+    "max_seq_length": None,  # mlx-lm cuts at 2,048; the walk only when asked
 }
-WALK_FLAGS = {
-    "overwrite": (bool, False),  # replace an adapter already in adapter_path
-    "walk": (str, "exact"),
-    "chunk": (int, 512),
-    "horizon": (int, 0),
-    "cache_type": (str, "float32"),
-    "host_budget_mib": (float, None),
-    "memory_budget_mib": (float, None),
-    "strict_exact": (bool, False),
-}
-YAML_ONLY = {"lora_parameters": {"rank": 8, "dropout": 0.0, "scale": 20.0}, "lr_schedule": None,
-             "optimizer_config": {}, "hf_dataset": None, "prompt_feature": "prompt",
-             "completion_feature": "completion", "text_feature": "text",
-             "chat_feature": "messages"}  # fmt: skip
+YAML_ONLY = {"lora_parameters", "lr_schedule", "optimizer_config"}  # mappings, as in mlx-lm
+FEATURES = {
+    "hf_dataset": None,
+    "prompt_feature": "prompt",
+    "completion_feature": "completion",
+    "text_feature": "text",
+    "chat_feature": "messages",
+}  # fmt: skip  (mlx-lm's loaders)
+WALK_OPTIONS = ("walk", "chunk", "horizon", "cache_type", "host_budget_mib", "memory_budget_mib",
+                "strict_exact", "overwrite")  # fmt: skip
+
+
+def _kind(name: str, default) -> type:
+    if name in ("max_seq_length",):
+        return int
+    return type(default) if default is not None else str
+
+
+def mlx_lm_flags() -> dict[str, tuple[type, object]]:
+    """flag: (type, default), for every option of mlx_lm.lora that is not a mapping."""
+    from mlx_lm.lora import CONFIG_DEFAULTS
+
+    out = {}
+    for k, v in CONFIG_DEFAULTS.items():
+        if k not in YAML_ONLY and k != "config":
+            default = DIFFERENCES.get(k, v)
+            out[k] = (_kind(k, default), default)
+    return out
+
+
+def walk_flags() -> dict[str, tuple[type, object]]:
+    """The walk's options, as `mlxwalk train` defines them (training/config.py)."""
+    from dataclasses import fields
+
+    from ..training.config import TrainConfig
+
+    kinds = {"int": int, "float": float, "bool": bool, "str": str}
+    return {f.name: (kinds[str(f.type).split("|")[0].strip()], f.default)
+            for f in fields(TrainConfig) if f.name in WALK_OPTIONS}  # fmt: skip
+
+
+def yaml_defaults() -> dict:
+    from mlx_lm.lora import CONFIG_DEFAULTS
+
+    return {**{k: copy.deepcopy(CONFIG_DEFAULTS[k]) for k in YAML_ONLY}, **FEATURES}
+
+
 OPTIMIZERS = ("adam", "adamw", "sgd", "muon", "adafactor")  # the walk hands any of them gradients
 
 
@@ -76,7 +89,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m mlxwalk.lora", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("-c", "--config")
-    for name, (kind, _) in {**MLX_LM_FLAGS, **WALK_FLAGS}.items():
+    for name, (kind, _) in {**mlx_lm_flags(), **walk_flags()}.items():
         flag = "--" + name.replace("_", "-")
         if kind is bool:
             p.add_argument(flag, action="store_true", default=None)
@@ -87,8 +100,8 @@ def parser() -> argparse.ArgumentParser:
 
 def options(argv: list[str] | None) -> types.SimpleNamespace:
     args = parser().parse_args(argv)
-    values = {k: d for k, (_, d) in {**MLX_LM_FLAGS, **WALK_FLAGS}.items()}
-    values.update(YAML_ONLY)
+    values = {k: d for k, (_, d) in {**mlx_lm_flags(), **walk_flags()}.items()}
+    values.update(yaml_defaults())
     if args.config:
         from ..training.options import read_mapping
 
@@ -102,7 +115,7 @@ def typed(values: dict) -> dict:
     """A YAML config's values as the flags' types, or a refusal naming the key."""
     from ..training.config import coerce
 
-    kinds = {**MLX_LM_FLAGS, **WALK_FLAGS}
+    kinds = {**mlx_lm_flags(), **walk_flags()}
     out = dict(values)
     for key, value in values.items():
         if key in kinds:
