@@ -544,8 +544,15 @@ def test_ctrl_c_saves_the_windows_trained_and_says_how_to_resume(qwen2_path, tmp
     out = tmp_path / "r"
     args = ["--model", qwen2_path, "--data", str(d), "--chunk", "64", "--epochs", "1",
             "--adapter-path", str(out), "--val-split", "0"]  # fmt: skip
+
+    # A shell's background job inherits SIGINT ignored, and Python then keeps ignoring it: the
+    # run gets the default (KeyboardInterrupt), as it has at a terminal.
+    def interruptible():
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
     proc = subprocess.Popen([sys.executable, "-m", "mlxwalk", "train", *args], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=interruptible)  # fmt: skip
     progress_until(proc, "window 2/8")
     proc.send_signal(signal.SIGINT)
     err = proc.communicate(timeout=120)[1]
