@@ -26,14 +26,16 @@ loaded: str | None = None
 
 
 def use_openblas() -> str | None:
-    """Route MLX's GEMMs to OpenBLAS where it can; return the library's path (None: not done)."""
+    """Route MLX's GEMMs to OpenBLAS where it can; return the library's path (None: not done,
+    said once on stderr unless MLXWALK_BLAS=off)."""
     global loaded
     choice = os.environ.get("MLXWALK_BLAS", "")
     if loaded or choice == "off" or not sys.platform.startswith("linux"):
         return loaded
     library, prefix = (choice, "") if choice else (_wheel_library(), "scipy_")
     if library is None:
-        return None
+        return _not_used("the scipy-openblas32 wheel is not installed")
+    written: dict[int, int] = {}  # slot address -> the value it held
     try:
         blas = ctypes.CDLL(library)
         import mlx.core  # noqa: F401  (maps libmlx.so)
@@ -43,11 +45,34 @@ def use_openblas() -> str | None:
         targets = {name: ctypes.cast(getattr(blas, prefix + name), ctypes.c_void_p).value
                    for name in slots}  # fmt: skip
         for name, offset in slots.items():
+            written[base + offset] = ctypes.c_void_p.from_address(base + offset).value
             _write_pointer(base + offset, targets[name])
-    except (OSError, AttributeError, ValueError, struct.error):
-        return None
+        _check()
+    except (OSError, AttributeError, ValueError, struct.error, AssertionError) as e:
+        for address, value in written.items():  # all of MLX's GEMMs back where they were
+            _write_pointer(address, value)
+        return _not_used(f"{library}: {e}")
     loaded = library
     return loaded
+
+
+def _check() -> None:
+    """A product through the new slots against NumPy's (an ILP64 or otherwise foreign BLAS given
+    by MLXWALK_BLAS would compute garbage)."""
+    import mlx.core as mx
+    import numpy as np
+
+    a = np.arange(12, dtype=np.float32).reshape(3, 4) / 7
+    b = np.arange(20, dtype=np.float32).reshape(4, 5) / 3
+    if not np.allclose(np.asarray(mx.array(a) @ mx.array(b)), a @ b, rtol=1e-5, atol=1e-5):
+        raise AssertionError("its matrix product disagrees with NumPy's")
+
+
+def _not_used(why: str) -> None:
+    print(f"mlxwalk: MLX's CPU matrix products stay on its reference BLAS, 25-50x slower ({why}); "
+          "pip install scipy-openblas32, or set MLXWALK_BLAS=off to keep it quietly",
+          file=sys.stderr)  # fmt: skip
+    return None
 
 
 def _wheel_library() -> str | None:

@@ -153,3 +153,21 @@ def test_train_refuses_what_a_walk_cannot_take_in_mlx_lms_order(qwen2):
         mlxwalk.train(qwen2, optim.Adam(learning_rate=1e-3), [], None, args, TrainingCallback())
     with pytest.raises(PlanError, match="a custom loss can't be walked"):
         mlxwalk.train(qwen2, optim.Adam(learning_rate=1e-3), [], None, args, lambda *a: 0)
+
+
+def test_lora_cli_takes_all_layers_a_partial_lora_mapping_and_refuses_a_missing_folder(
+    qwen2_path, data_dir, tmp_path
+):
+    config = tmp_path / "c.yaml"
+    config.write_text(f"model: {qwen2_path}\ntrain: true\ndata: {data_dir}\niters: 1\n"
+                      f"num_layers: -1\nlora_parameters: {{rank: 4}}\noptimizer: Adam\n"
+                      f"adapter_path: {tmp_path / 'ad'}\nchunk: 128\n")  # fmt: skip
+    p = lora("-c", str(config))
+    assert p.returncode == 0, p.stderr
+    saved = json.loads((tmp_path / "ad" / "adapter_config.json").read_text())
+    assert saved["lora_parameters"] == {"rank": 4, "dropout": 0.0, "scale": 20.0}
+    model, _ = mlx_lm.load(qwen2_path, adapter_path=str(tmp_path / "ad"))
+    assert all(hasattr(layer.self_attn.q_proj, "lora_a") for layer in model.layers)
+    p = lora("--model", qwen2_path, "--train", "--data", str(tmp_path / "nowhere"))
+    assert p.returncode == 2 and "is not a folder (nothing is downloaded)" in p.stderr
+    assert "Traceback" not in p.stderr

@@ -107,3 +107,22 @@ def test_text_and_completion_rows_get_bos_once_and_eos():
 def test_no_bos_where_the_tokenizer_adds_none(tokenizer):
     ex = data.to_example(tokenizer, {"text": "hi"}, "t:1")
     assert ex.ids == tokenizer.encode("hi") + [tokenizer.eos_token_id]
+
+
+# DeepSeek-R1's shape: reasoning dropped from every rendered turn; the generation prompt opens a
+# think block.
+R1_LIKE = (TEMPLATES / "r1_like.jinja").read_text()
+
+
+def test_a_template_that_drops_the_reasoning_labels_what_it_keeps(tokenizer):
+    chat = [dict(m) for m in CHAT]
+    chat[1]["content"] = "<think>\nan owl hoots\n</think>\n\nThe owl."
+    chat[3]["content"] = "<b>The trout.</b>"  # opens with '<', as the prompt's '<think>' does
+    runs = labelled_text(tokenizer, R1_LIKE, chat)
+    assert runs == ["The owl.<|im_end|>\n", "<b>The trout.</b><|im_end|>\n"]
+
+
+def test_an_assistant_first_chat_labels_only_the_turn(tokenizer):
+    chat = [{"role": "assistant", "content": "Hello there."}, *CHAT[:2]]
+    runs = labelled_text(tokenizer, QWEN3_LIKE, chat)
+    assert runs == ["Hello there.<|im_end|>\n", "<think>\n\n</think>\n\nThe owl.<|im_end|>\n"]

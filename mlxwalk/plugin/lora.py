@@ -126,8 +126,11 @@ def typed(values: dict) -> dict:
 
 def refuse(o) -> None:
     """What the walk can't honour, or values that make no sense, each named by its flag."""
-    from ..training.config import at_least, positive
+    from ..training.config import at_least, layers, positive
 
+    o.optimizer = str(o.optimizer).lower()  # as mlx_lm.lora reads it
+    if isinstance(o.lora_parameters, dict):  # a partial mapping keeps mlx-lm's other defaults
+        o.lora_parameters = {**yaml_defaults()["lora_parameters"], **o.lora_parameters}
     if not (o.train or o.test):
         raise PlanError("give --train, --test or both")
     if o.fine_tune_type != "lora":
@@ -147,9 +150,12 @@ def refuse(o) -> None:
         raise PlanError("--model is required")
     if o.walk not in ("exact", "plain"):
         raise PlanError(f"walk {o.walk!r} cannot train; choose exact or plain")
-    for name in ("iters", "num_layers", "steps_per_report", "steps_per_eval", "save_every",
-                 "max_seq_length", "chunk"):  # fmt: skip
+    for name in ("iters", "steps_per_report", "steps_per_eval", "save_every", "max_seq_length",
+                 "chunk"):  # fmt: skip
         at_least(name, getattr(o, name), 1)
+    layers(o.num_layers)  # -1: every layer, as in mlx-lm
+    if not o.hf_dataset and not Path(o.data).is_dir():
+        raise PlanError(f"--data {o.data} is not a folder (nothing is downloaded)")
     at_least("horizon", o.horizon, 0, " (0 = the whole window)")
     for name in ("val_batches", "test_batches"):
         if getattr(o, name) == 0 or getattr(o, name) < -1:
@@ -328,11 +334,11 @@ def train(o, model, train_set, valid_set, args, walk_config, callback) -> None:
 
     mx.random.seed(o.seed)  # the adapter's initial values, as mlx_lm.lora seeds them
     model.freeze()
-    if o.num_layers > len(model.layers):
+    if o.num_layers != -1 and o.num_layers > len(model.layers):
         raise PlanError(f"--num-layers {o.num_layers} exceeds the model's {len(model.layers)} "
                         "layers")  # fmt: skip
-    lora = adapters.LoraConfig(o.lora_parameters["rank"], o.lora_parameters.get("scale", 20.0),
-                               o.lora_parameters.get("dropout", 0.0), o.num_layers,
+    lora = adapters.LoraConfig(o.lora_parameters["rank"], o.lora_parameters["scale"],
+                               o.lora_parameters["dropout"], o.num_layers,
                                o.lora_parameters.get("keys"))  # fmt: skip
     adapters.check(model, lora)
     linear_to_lora_layers(model, o.num_layers, o.lora_parameters)

@@ -244,10 +244,11 @@ def turn_span(whole: str, head: str, before: str, upto: str, anchors: list[str])
     template gives only a final turn (Qwen3's empty think block): the turn ends where the longest
     tail of that rendering holding every anchor is found in `whole`, no further from the start
     than the text it skipped. Raises ValueError saying why when there is no such place."""
-    start = _common(head, whole)
-    if start < _common(head, before):
+    base = _common(head, before)  # where the generation prompt begins
+    start = _entered(head, whole, base)
+    if start < base:
         raise ValueError("the conversation before it renders differently in the whole")
-    last = upto[_common(head, upto) :]  # the turn as rendered when it is last
+    last = upto[_entered(head, upto, base) :]  # the turn as rendered when it is last
     for skip in range(len(last) + 1):
         tail = last[skip:]
         if not all(a in tail for a in anchors):
@@ -257,6 +258,17 @@ def turn_span(whole: str, head: str, before: str, upto: str, anchors: list[str])
             return start, at + len(tail)
     raise ValueError("its rendering in the whole conversation matches none of its rendering "
                      "as the last turn")  # fmt: skip
+
+
+def _entered(head: str, text: str, base: int) -> int:
+    """Where `head` (a conversation and its generation prompt) leaves `text`. A generation prompt
+    matched only in part (one that opens a think block, where this turn opens with a tag of its
+    own) is backed off to its last line break, so the turn's first characters stay in the turn."""
+    at = _common(head, text)
+    if at < len(head) and at > base:
+        cut = head.rfind("\n", base, at)
+        at = cut + 1 if cut != -1 else base
+    return at
 
 
 def _offsets(tokenizer, text: str, where: str) -> tuple[list[int], list[int] | None]:
@@ -285,6 +297,35 @@ def _positions(tokenizer, text: str, ids, starts, span, where) -> tuple[int, int
         raise DataError(f"{where}: a turn's edge falls inside a token, and the tokenizer gives "
                         "no offsets to place it")  # fmt: skip
     return len(head), len(upto)
+
+
+def _contents(content) -> list[str]:
+    """The text an assistant turn must hold: its content, or failing that (templates that drop
+    or rewrite a think block) what follows its last </think>."""
+    if not isinstance(content, str):
+        return [""]
+    out = [content.strip()]
+    if "</think>" in content:
+        out.append(content.rsplit("</think>", 1)[1].strip())
+    return out
+
+
+def _before(tokenizer, clean, i, tools, where, whole, anchors) -> tuple[str, str]:
+    """The conversation before message i, with and without the generation prompt. Before a
+    first message, a template that can't render nothing starts the turn at its content."""
+    try:
+        head = _render(tokenizer, clean[:i], tools, where, generation_prompt=True)
+        return head, _render(tokenizer, clean[:i], tools, where)
+    except DataError:
+        if i:
+            raise
+    at = whole.find(anchors[0]) if anchors else -1
+    if at == -1:
+        raise DataError(
+            f"{where}: message 0 (assistant) can't be labelled: the template renders no "
+            "conversation before it, and its content is not in the rendering"
+        )
+    return whole[:at], whole[:at]
 
 
 def _call_name(call: dict) -> str:
@@ -318,15 +359,19 @@ def chat_example(tokenizer, messages: list[dict], tools=None, where: str = "") -
     for i, m in enumerate(messages):
         if m.get("role") != "assistant" or m.get("train", True) is False:
             continue
-        head = _render(tokenizer, clean[:i], tools, where, generation_prompt=True) if i else ""
-        before = _render(tokenizer, clean[:i], tools, where) if i else ""
         upto = _render(tokenizer, clean[: i + 1], tools, where)
-        anchors = [m["content"].strip()] if isinstance(m.get("content"), str) else []
-        anchors += [_call_name(c) for c in m.get("tool_calls") or []]
-        try:
-            span = turn_span(whole, head, before, upto, [a for a in anchors if a])
-        except ValueError as e:
-            raise DataError(f"{where}: message {i} (assistant) can't be labelled: {e}") from None
+        calls = [_call_name(c) for c in m.get("tool_calls") or []]
+        error = None
+        for content in _contents(m.get("content")):
+            anchors = [a for a in [content, *calls] if a]
+            head, before = _before(tokenizer, clean, i, tools, where, whole, anchors)
+            try:
+                span = turn_span(whole, head, before, upto, anchors)
+                break
+            except ValueError as e:
+                error = e
+        else:
+            raise DataError(f"{where}: message {i} (assistant) can't be labelled: {error}")
         first, end = _positions(tokenizer, whole, ids, starts, span, where)
         for t in range(first, end):
             labels[t] = 1.0

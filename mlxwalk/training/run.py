@@ -81,19 +81,20 @@ def make_optimizer(cfg: TrainConfig, steps: int):
     from mlx_lm.tuner.utils import build_schedule
 
     lr = cfg.lr
+    decay = max(steps - cfg.warmup - 1, 1)  # mlx-lm's schedule starts decaying after the warmup
     if cfg.lr_schedule == "cosine_decay":
-        lr = build_schedule({"name": "cosine_decay", "arguments": [cfg.lr, max(steps, 1)],
+        lr = build_schedule({"name": "cosine_decay", "arguments": [cfg.lr, decay],
                              "warmup": cfg.warmup})  # fmt: skip
     elif cfg.lr_schedule == "linear_schedule":
-        lr = build_schedule({"name": "linear_schedule", "arguments": [cfg.lr, 0.0, max(steps, 1)],
+        lr = build_schedule({"name": "linear_schedule", "arguments": [cfg.lr, 0.0, decay],
                              "warmup": cfg.warmup})  # fmt: skip
     elif cfg.warmup:
         lr = optim.linear_schedule(0.0, cfg.lr, cfg.warmup)
-    decay = {} if cfg.weight_decay is None else {"weight_decay": cfg.weight_decay}
+    wd = {} if cfg.weight_decay is None else {"weight_decay": cfg.weight_decay}
     if cfg.optimizer == "sgd":
-        return optim.SGD(learning_rate=lr, **decay)
+        return optim.SGD(learning_rate=lr, **wd)
     if cfg.optimizer == "adamw":
-        return optim.AdamW(learning_rate=lr, **decay)
+        return optim.AdamW(learning_rate=lr, **wd)
     return optim.Adam(learning_rate=lr)
 
 
@@ -189,9 +190,10 @@ class Run:
         per = [1 if self.cfg.walk == "exact" else
                max(1, len({int(i) // self.cfg.chunk for i in np.flatnonzero(e.weights)}))
                for e in examples]  # fmt: skip
+        every = self.cfg.epochs * sum(per)
         if self.cfg.iters is None:
-            return self.cfg.epochs * sum(per)
-        return round(self.cfg.iters * sum(per) / len(per))
+            return every
+        return min(every, round(self.cfg.iters * sum(per) / len(per)))
 
     @property
     def total(self) -> int:
