@@ -27,7 +27,7 @@ import mlx.core as mx  # noqa: E402
 import mlx.optimizers as optim  # noqa: E402
 import numpy as np  # noqa: E402
 
-from mlxwalk import bench  # noqa: E402  (mlxwalk before mlx: see mlxwalk/_blas.py
+from mlxwalk import bench  # noqa: E402
 from mlxwalk.plan import MIB, OutOfMemory  # noqa: E402
 from mlxwalk.walk import ExactWalk, WalkConfig, Window, arch  # noqa: E402
 from mlxwalk.walk.guards import check_finite  # noqa: E402

@@ -17,10 +17,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.gated_delta import gated_delta_ops  # noqa: E402
 
-from mlxwalk import bench, models  # noqa: E402  (mlxwalk before mlx: see mlxwalk/_blas.py
+from mlxwalk import bench  # noqa: E402
 from mlxwalk.exactness import prepare  # noqa: E402
-from mlxwalk.ops import delta
+from mlxwalk.ops import delta  # noqa: E402
 from mlxwalk.ops.delta import gated_delta  # noqa: E402
+from mlxwalk.training import models  # noqa: E402
 
 MIB = 1 << 20
 

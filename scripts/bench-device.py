@@ -24,7 +24,8 @@ sys.path.insert(0, str(ROOT))
 
 import mlx.core as mx  # noqa: E402
 
-from mlxwalk import bench, delta  # noqa: E402  (mlxwalk before mlx: see mlxwalk/_blas.py
+from mlxwalk import bench  # noqa: E402
+from mlxwalk.ops import delta  # noqa: E402
 from mlxwalk.walk import WalkConfig  # noqa: E402
 
 

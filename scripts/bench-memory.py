@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from mlxwalk import models  # noqa: E402  (mlxwalk before mlx: see mlxwalk/_blas.py
 from mlxwalk.exactness import prepare  # noqa: E402
+from mlxwalk.training import models  # noqa: E402
 from mlxwalk.walk import ExactWalk, WalkConfig, Window, budget  # noqa: E402
 
 MIB = 1 << 20

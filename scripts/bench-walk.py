@@ -18,8 +18,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import mlx.core as mx  # noqa: E402
 
-from mlxwalk import bench, models  # noqa: E402  (mlxwalk before mlx: see mlxwalk/_blas.py
+from mlxwalk import bench  # noqa: E402
 from mlxwalk.exactness import prepare  # noqa: E402
+from mlxwalk.training import models  # noqa: E402
 from mlxwalk.walk import WalkConfig  # noqa: E402
 
 

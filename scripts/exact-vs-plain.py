@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mlxwalk import samples  # noqa: E402  (mlxwalk before mlx: see mlxwalk/_blas.py
+from mlxwalk.training import samples  # noqa: E402
 from mlxwalk.training.run import TrainConfig, train_run  # noqa: E402
 
 

@@ -7,6 +7,6 @@ from pathlib import Path
 root = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(root))
 
-from mlxwalk import samples  # noqa: E402
+from mlxwalk.training import samples  # noqa: E402
 
 samples.make(root / "mlxwalk" / "data")

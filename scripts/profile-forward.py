@@ -9,7 +9,6 @@ host returns only once the GPU has run the work that used it).
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -18,24 +17,17 @@ sys.path.insert(0, str(ROOT))
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 
-from mlxwalk import bench  # noqa: E402  (mlxwalk before mlx: see mlxwalk/_blas.py
+from mlxwalk import bench  # noqa: E402
 from mlxwalk.plan import cut  # noqa: E402
-from mlxwalk.walk import ExactWalk, WalkConfig, Window, _ChunkRunner, one_graph, walking  # noqa: E402
+from mlxwalk.walk import ChunkRunner, ExactWalk, WalkConfig, Window, one_graph, walking  # noqa: E402
 from mlxwalk.walk.taps import ChunkKV  # noqa: E402
 
 MIB = 1 << 20
 
 
 def peak(label: str, fn) -> None:
-    fn()  # warm-up
-    mx.clear_cache()
-    base = mx.get_active_memory()
-    mx.reset_peak_memory()
-    t = time.perf_counter()
-    fn()
-    s = time.perf_counter() - t
-    print(f"{label}: peak over base {(mx.get_peak_memory() - base) / MIB:.0f} MiB, {s:.3f} s",
-          flush=True)  # fmt: skip
+    seconds, _, over = bench.timed(fn, 1)  # after a warm-up, from a cleared cache
+    print(f"{label}: peak over base {over:.0f} MiB, {seconds:.3f} s", flush=True)
 
 
 def main() -> int:
@@ -56,7 +48,7 @@ def main() -> int:
         for attention in ("fused", "tiled"):
             config = WalkConfig(chunk=n, cache_type="bfloat16", recompute=recompute,
                                 attention=attention)  # fmt: skip
-            runner = _ChunkRunner(model, win, config)
+            runner = ChunkRunner(model, win, config)
 
             def decode(k, runner=runner, recompute=recompute):
                 with walking(model, recompute):

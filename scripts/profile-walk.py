@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import mlx.core as mx  # noqa: E402
 
-from mlxwalk import bench  # noqa: E402  (mlxwalk before mlx: see mlxwalk/_blas.py
+from mlxwalk import bench  # noqa: E402
 from mlxwalk.walk import ExactWalk, WalkConfig, Window  # noqa: E402
 
 MIB = 1 << 20
@@ -68,14 +68,8 @@ def compare(model, a) -> int:
                 walk.head = None
             mx.eval(walk.run())
 
-        run()  # warm-up
-        mx.clear_cache()
-        base = mx.get_active_memory()
-        mx.reset_peak_memory()
-        t = time.perf_counter()
-        run()
-        took = time.perf_counter() - t
-        print(f"| {name} | {(mx.get_peak_memory() - base) / MIB:.1f} | {took:.2f} |", flush=True)
+        took, _, over = bench.timed(run, 1)  # after a warm-up, from a cleared cache
+        print(f"| {name} | {over:.1f} | {took:.2f} |", flush=True)
     return 0
 
 

@@ -74,3 +74,18 @@ def test_each_layer_imports_only_those_beneath_it():
 def test_the_plan_imports_no_array_library():
     text = (PACKAGE / "plan.py").read_text()
     assert "import mlx" not in text and "import numpy" not in text and "import torch" not in text
+
+
+def test_every_script_imports_what_exists():
+    """The scripts run outside the suite: each name they import from mlxwalk must be there."""
+    import importlib.util
+
+    for script in sorted((PACKAGE.parent / "scripts").glob("*.py")):
+        for node in ast.walk(ast.parse(script.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mlxwalk"):
+                module = importlib.import_module(node.module)
+                for alias in node.names:
+                    found = hasattr(module, alias.name) or importlib.util.find_spec(
+                        f"{node.module}.{alias.name}"
+                    )
+                    assert found, f"{script.name}: {node.module} has no {alias.name}"
