@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from mlxwalk.training import data
+from mlxwalk.training import chat, data
 
 TEMPLATES = Path(__file__).parent / "templates"
 # Qwen3's shape: an assistant turn after the last user turn, when it is the final message, opens
@@ -80,9 +80,9 @@ def test_a_turn_that_cannot_be_placed_is_refused_by_line_and_message(tokenizer):
 def test_turn_span_places_a_last_turn_rendering_inside_the_whole():
     whole = "U:a|A:x|U:b|A:<t></t>y|"
     # the first assistant turn, rendered last, carries the think block the whole gives it not
-    assert data.turn_span(whole, "U:a|A:", "U:a|", "U:a|A:<t></t>x|", ["x"]) == (6, 8)
+    assert chat.turn_span(whole, "U:a|A:", "U:a|", "U:a|A:<t></t>x|", ["x"]) == (6, 8)
     with pytest.raises(ValueError):
-        data.turn_span(whole, "U:a|A:", "U:a|", "U:a|A:<t></t>z|", ["z"])
+        chat.turn_span(whole, "U:a|A:", "U:a|", "U:a|A:<t></t>z|", ["z"])
 
 
 class BosTokenizer:

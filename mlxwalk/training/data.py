@@ -6,7 +6,7 @@ Formats (one JSON object per line, in `train.jsonl` and optionally `valid.jsonl`
   chat         {"messages": [...], "tools": [...]}     assistant turns are labelled; any message
                                                         with "train": false stays context
 A chat is rendered whole through the tokenizer's chat template; each assistant turn is found in
-that rendering (`turn_span`), so templates that render a final turn differently (Qwen3's empty
+that rendering (`chat.turn_span`), so templates that render a final turn differently (Qwen3's empty
 think block) or add text of their own (a date, a default system prompt) are labelled as the model
 sees them, and a turn that truly cannot be placed is refused by file, line and message.
 An example longer than the window is cut (`fit`: "left" keeps its start, "middle" keeps its start
@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from . import chat
 
 FITS = ("left", "middle")
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -221,56 +223,6 @@ def _render(tokenizer, messages, tools, where: str, generation_prompt: bool = Fa
     return text
 
 
-def _common(a: str, b: str) -> int:
-    """The length of the longest common prefix of a and b."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if a[:mid] == b[:mid] else (lo, mid)
-    return lo
-
-
-def turn_span(whole: str, head: str, before: str, upto: str, anchors: list[str]) -> tuple[int, int]:
-    """Where one assistant turn lies in the whole conversation's rendering, in characters.
-
-    head:   the conversation before the turn, with the generation prompt; before: without it;
-    upto:   the conversation ending with the turn (rendered as the last turn);
-    anchors: text the turn must hold (its content, its tool calls' names).
-    The turn starts where `head` leaves `whole` (never inside what precedes the generation
-    prompt). Its rendering as the last turn, `upto` past that point, may open with text the
-    template gives only a final turn (Qwen3's empty think block): the turn ends where the longest
-    tail of that rendering holding every anchor is found in `whole`, no further from the start
-    than the text it skipped. Raises ValueError saying why when there is no such place."""
-    base = _common(head, before)  # where the generation prompt begins
-    start = _entered(head, whole, base)
-    if start < base:
-        raise ValueError("the conversation before it renders differently in the whole")
-    last = upto[_entered(head, upto, base) :]  # the turn as rendered when it is last
-    for skip in range(len(last) + 1):
-        tail = last[skip:]
-        if not all(a in tail for a in anchors):
-            break
-        at = whole.find(tail, start, start + skip + len(tail))
-        if at != -1 and (tail or at == start):
-            return start, at + len(tail)
-    raise ValueError("its rendering in the whole conversation matches none of its rendering "
-                     "as the last turn")  # fmt: skip
-
-
-def _entered(head: str, text: str, base: int) -> int:
-    """Where `head` (a conversation and its generation prompt) leaves `text`. A generation prompt
-    matched only in part (one that opens a think block, where this turn opens with a tag of its
-    own) is backed off to its last line break, so the turn's first characters stay in the turn."""
-    at = _common(head, text)
-    if at < len(head) and at > base:
-        cut = head.rfind("\n", base, at)
-        at = cut + 1 if cut != -1 else base
-    return at
-
-
 def _offsets(tokenizer, text: str, where: str) -> tuple[list[int], list[int] | None]:
     """Token ids of `text` (no special tokens added) and each token's first character, where
     the tokenizer reports offsets (Hugging Face's fast tokenizers do)."""
@@ -299,17 +251,6 @@ def _positions(tokenizer, text: str, ids, starts, span, where) -> tuple[int, int
     return len(head), len(upto)
 
 
-def _contents(content) -> list[str]:
-    """The text an assistant turn must hold: its content, or failing that (templates that drop
-    or rewrite a think block) what follows its last </think>."""
-    if not isinstance(content, str):
-        return [""]
-    out = [content.strip()]
-    if "</think>" in content:
-        out.append(content.rsplit("</think>", 1)[1].strip())
-    return out
-
-
 def _before(tokenizer, clean, i, tools, where, whole, anchors) -> tuple[str, str]:
     """The conversation before message i, with and without the generation prompt. Before a
     first message, a template that can't render nothing starts the turn at its content."""
@@ -328,11 +269,6 @@ def _before(tokenizer, clean, i, tools, where, whole, anchors) -> tuple[str, str
     return whole[:at], whole[:at]
 
 
-def _call_name(call: dict) -> str:
-    function = call.get("function", call)
-    return str(function.get("name", "")) if isinstance(function, dict) else ""
-
-
 def with_bos(tokenizer, ids: list[int]) -> list[int]:
     """`ids` with the BOS token in front where the tokenizer adds one when it encodes (as
     mlx-lm's text datasets and its generation do), never twice."""
@@ -348,7 +284,7 @@ def with_bos(tokenizer, ids: list[int]) -> list[int]:
 
 def chat_example(tokenizer, messages: list[dict], tools=None, where: str = "") -> Example:
     """Token ids of the whole conversation; each trainable assistant turn labelled where it lies
-    in the whole rendering (`turn_span`), so templates that render a final turn differently
+    in the whole rendering (`chat.turn_span`), so templates that render a final turn differently
     label every turn as the model sees it."""
     if not messages:  # nothing to render or train on: skipped, like any unlabelled row
         return Example([], [], where)
@@ -360,13 +296,13 @@ def chat_example(tokenizer, messages: list[dict], tools=None, where: str = "") -
         if m.get("role") != "assistant" or m.get("train", True) is False:
             continue
         upto = _render(tokenizer, clean[: i + 1], tools, where)
-        calls = [_call_name(c) for c in m.get("tool_calls") or []]
+        calls = [chat.call_name(c) for c in m.get("tool_calls") or []]
         error = None
-        for content in _contents(m.get("content")):
+        for content in chat.contents(m.get("content")):
             anchors = [a for a in [content, *calls] if a]
             head, before = _before(tokenizer, clean, i, tools, where, whole, anchors)
             try:
-                span = turn_span(whole, head, before, upto, anchors)
+                span = chat.turn_span(whole, head, before, upto, anchors)
                 break
             except ValueError as e:
                 error = e
