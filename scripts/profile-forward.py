@@ -61,7 +61,7 @@ def main() -> int:
                 peak(f"decode {k} chunk(s), recompute {recompute}, {attention}",
                      lambda k=k: decode(k))  # fmt: skip
     with walking(model, False):
-        caches = [ChunkKV(0, tiled=False) for _ in model.layers]
+        caches = [ChunkKV(0, attention="fused") for _ in model.layers]
         peak("model with ChunkKV caches (no prefix), K/V only",
              lambda: (model(x, cache=caches), mx.eval([c.keys for c in caches])))  # fmt: skip
     one = Window.of(ids[:n], ids[1 : n + 1], [1.0] * n)

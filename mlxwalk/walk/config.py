@@ -26,14 +26,8 @@ class WalkConfig:
     seed: int | None = None  # seeds dropout per chunk, identically in the decode and the graph
     follow_runs: bool = True  # chunks never cross a change of weight (see plan.cut)
     accumulator_dtype: str = "float32"
-    attention: str = "auto"  # "tiled" (chunk_attention), "fused" (mlx-lm's), auto: fused on CUDA
+    attention: str = "auto"  # "tiled" (chunk_attention), "fused" (mlx-lm's); auto: ops/kernels.py
     strict_exact: bool = False  # refuse a window the memory budget would narrow the horizon of
-
-    @property
-    def tiled(self) -> bool:
-        if self.attention == "auto":
-            return not mx.cuda.is_available()
-        return self.attention == "tiled"
 
     def check(self) -> WalkConfig:
         if self.chunk < 1:

@@ -116,7 +116,7 @@ class ChunkRunner:
                     h, dk, dv = self.layout.kv_shapes[a]
                     taps = (_zeros((1, h, s - grad_from, dk)), _zeros((1, h, s - grad_from, dv)))
                 adjoint = acc.adjoint(a, s, chunk.end) if acc is not None else None
-                out.append(ChunkKV(s, prefix, grad_from, taps, adjoint, self.config.tiled))
+                out.append(ChunkKV(s, prefix, grad_from, taps, adjoint, self.config.attention))
                 a += 1
             else:
                 adjoint = acc.state[r] if acc is not None and acc.state is not None else None

@@ -36,9 +36,10 @@ class ChunkKV:
     `prefix` reads the cached K/V of [0, offset) from the store. `taps`, when given, are zero
     deltas on [grad_from, offset): the chunk's graph is differentiated in them, which is
     differentiating in the cached K/V they stand on. `adjoint` is dL/d(this chunk's K/V) from
-    later chunks. With `tiled`, the model's attention call is routed to `chunk_attention`, which
-    reads the prefix tile by tile; otherwise `update_and_fetch` hands mlx-lm's attention the
-    concatenation (built lazily, so the tiled path never computes it).
+    later chunks. `attention` names the path the model's attention call takes (ops.attention's
+    `_attend`): `chunk_attention` reads the prefix in place, tile by tile or in a kernel; mlx-lm's
+    fused path gets the concatenation from `update_and_fetch` (built lazily, so the other path
+    never computes it).
     """
 
     def __init__(
@@ -48,14 +49,14 @@ class ChunkKV:
         grad_from: int | None = None,
         taps: tuple[mx.array, mx.array] | None = None,
         adjoint: tuple[mx.array, mx.array] | None = None,
-        tiled: bool = True,
+        attention: str = "tiled",
     ):
         self.offset = offset
         self.prefix = prefix
         self.grad_from = offset if grad_from is None else grad_from
         self.taps = taps
         self.adjoint = adjoint
-        self.tiled = tiled
+        self.attention = attention
         self.keys: mx.array | None = None  # the chunk's own K/V, once the layer ran
         self.values: mx.array | None = None
         self.surrogate_value: mx.array = mx.array(0.0)

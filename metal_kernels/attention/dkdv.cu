@@ -1,0 +1,58 @@
+// Chunk attention backward, dK/dV of the tapped prefix and the chunk's own keys (CUDA twin of
+// dkdv.metal: one warp per key row, no atomics).
+__shared__ float tk[ROWS][D];
+__shared__ float tv[ROWS][D];
+__shared__ float tp[ROWS][32];
+__shared__ float tds[ROWS][32];
+const int B = params[0], HQ = params[1], HKV = params[2], L = params[3];
+const int N = params[4], START = params[5], GF = params[6], BS = params[7];
+const int NT = START - GF, R = HQ / HKV;
+const unsigned int lane = threadIdx.x % 32;
+const unsigned int sg = threadIdx.x / 32;
+const int row = blockIdx.x * ROWS + sg;
+if (row >= B * HKV * (NT + L)) {
+  return;
+}
+const int c = row % (NT + L), hk = (row / (NT + L)) % HKV, b = row / ((NT + L) * HKV);
+int first = 0;
+if (c < NT) {
+  const size_t at = size_t(((BS > 1 ? b : 0) * HKV + hk) * N + GF + c) * D;
+  row_stage<D>(tk[sg], pk + at, 1.0f, lane);
+  row_stage<D>(tv[sg], pv + at, 1.0f, lane);
+} else {
+  first = c - NT;
+  const size_t at = size_t((b * HKV + hk) * L + first) * D;
+  row_stage<D>(tk[sg], k + at, 1.0f, lane);
+  row_stage<D>(tv[sg], v + at, 1.0f, lane);
+}
+const float sc = scale[0];
+float acc_k[D / 32] = {0.0f};
+float acc_v[D / 32] = {0.0f};
+for (int g = 0; g < R; ++g) {
+  const int qh = (b * HQ + hk * R + g) * L;
+  for (int base = first; base < L; base += 32) {
+    const int i = base + int(lane);
+    float p = 0.0f, ds = 0.0f;
+    if (i < L) {
+      p = expf(row_dot<D>(tk[sg], q + size_t(qh + i) * D) * sc - lse[qh + i]);
+      ds = p * (row_dot<D>(tv[sg], d_out + size_t(qh + i) * D) - delta[qh + i]);
+    }
+    tp[sg][lane] = p;
+    tds[sg][lane] = ds;
+    __syncwarp();
+    const int n = min(32, L - base);
+    for (int ii = 0; ii < n; ++ii) {
+      const float pi = tp[sg][ii];
+      const float dsi = tds[sg][ii];
+      const size_t at = size_t(qh + base + ii) * D;
+      row_axpy<D>(acc_v, pi, d_out + at, lane);
+      row_axpy<D>(acc_k, dsi, q + at, lane);
+    }
+    __syncwarp();
+  }
+}
+#pragma unroll
+for (int t = 0; t < D / 32; ++t) {
+  dk[size_t(row) * D + lane + 32 * t] = acc_k[t] * sc;
+  dv[size_t(row) * D + lane + 32 * t] = acc_v[t];
+}

@@ -1,0 +1,58 @@
+// Chunk attention forward (CUDA twin of forward.metal; the layout and the algorithm are the same).
+__shared__ float tq[ROWS][D];
+__shared__ float tp[ROWS][32];
+const int B = params[0], HQ = params[1], HKV = params[2], L = params[3];
+const int N = params[4], START = params[5], BS = params[7];
+const unsigned int lane = threadIdx.x % 32;
+const unsigned int sg = threadIdx.x / 32;
+const int row = blockIdx.x * ROWS + sg;
+if (row >= B * HQ * L) {
+  return;
+}
+const int i = row % L, h = (row / L) % HQ, b = row / (L * HQ);
+const int hk = h / (HQ / HKV);
+const size_t own = size_t(b * HKV + hk) * L * D;
+const size_t pre = size_t((BS > 1 ? b : 0) * HKV + hk) * N * D;
+row_stage<D>(tq[sg], q + size_t(row) * D, scale[0], lane);
+
+const int nk = START + i + 1;
+float m = MLXWALK_NEG_INF, l = 0.0f;
+float acc[D / 32] = {0.0f};
+for (int base = 0; base < nk; base += 32) {
+  const int j = base + lane;
+  float s = MLXWALK_NEG_INF;
+  if (j < START) {
+    s = row_dot<D>(tq[sg], pk + pre + size_t(j) * D);
+  } else if (j < nk) {
+    s = row_dot<D>(tq[sg], k + own + size_t(j - START) * D);
+  }
+  const float m_new = fmaxf(m, warp_max(s));
+  const float p = expf(s - m_new);
+  const float corr = expf(m - m_new);
+  l = l * corr + warp_sum(p);
+#pragma unroll
+  for (int t = 0; t < D / 32; ++t) {
+    acc[t] *= corr;
+  }
+  tp[sg][lane] = p;
+  __syncwarp();
+  const int n = min(32, nk - base);
+  for (int jj = 0; jj < n; ++jj) {
+    const float pj = tp[sg][jj];
+    const int key = base + jj;
+    if (key < START) {
+      row_axpy<D>(acc, pj, pv + pre + size_t(key) * D, lane);
+    } else {
+      row_axpy<D>(acc, pj, v + own + size_t(key - START) * D, lane);
+    }
+  }
+  m = m_new;
+  __syncwarp();
+}
+#pragma unroll
+for (int t = 0; t < D / 32; ++t) {
+  o[size_t(row) * D + lane + 32 * t] = acc[t] / l;
+}
+if (lane == 0) {
+  lse[row] = m + logf(l);
+}

@@ -1,0 +1,101 @@
+"""Which path a chunk's attention takes: the custom kernels (metal_kernels/) or the ops twin.
+
+MLXWALK_KERNELS=auto (default) routes to a kernel where one applies and passed its self-check;
+off keeps every op on its pure-MLX twin; check runs both on every call, returns the twin's
+result and reports a disagreement. The self-check runs once per (backend, dtype, head dim,
+grouped-query ratio): a small case through the kernel and the twin; a compile error or a
+mismatch prints one line naming the kernel and the case, and that case stays on the ops path.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+import metal_kernels.attention as attention_kernels
+from metal_kernels import build
+
+from ..plan import PlanError
+
+MODES = ("auto", "off", "check")
+# The relative L2 error a kernel may show against the twin: float32 leaves room for TF32
+# matmuls in the twin on CUDA, half precision for its rounded inputs and outputs. A wrong
+# kernel is off by order one.
+TOLERANCE = {mx.float32: 1e-3, mx.float16: 2e-2, mx.bfloat16: 4e-2}
+# Where the CUDA kernel is routed in `auto` (measured in scripts/bench-attention.py, see
+# docs/BENCHMARKS.md); elsewhere on CUDA mlx-lm's own attention (cuDNN or unfused) runs.
+CUDA_HEAD_DIMS: tuple[int, ...] = (256,)
+
+
+@dataclass(frozen=True)
+class Case:
+    backend: str
+    dtype: mx.Dtype
+    dim: int
+    groups: int
+
+    def __str__(self) -> str:
+        name = str(self.dtype).removeprefix("mlx.core.")
+        return f"{self.backend} {name} head dim {self.dim} GQA {self.groups}"
+
+
+Checker = Callable[[Case], dict[str, float]]  # relative errors by kernel, kernel vs twin
+# Injected so the CPU tests can run the Metal kernels through the harness.
+launch = build.launch
+backend = build.current_backend
+_verdicts: dict[Case, bool] = {}
+
+
+def mode() -> str:
+    value = os.environ.get("MLXWALK_KERNELS", "auto")
+    if value not in MODES:
+        raise PlanError(f"MLXWALK_KERNELS={value!r} is unknown; choose one of {', '.join(MODES)}")
+    return value
+
+
+def case_of(q: mx.array, k: mx.array) -> Case | None:
+    b = backend()
+    return None if b is None else Case(b, q.dtype, q.shape[-1], q.shape[1] // k.shape[1])
+
+
+def use_kernel(
+    q: mx.array, k: mx.array, store_dtype: mx.Dtype | None, auto: bool, check: Checker
+) -> bool:
+    """Whether this call runs the attention kernels; `auto`: the walk left the path to us (on
+    CUDA the kernel then runs only at the head dims where it was measured to win). `check`
+    compares the kernels with their twin on a small case (the self-check, once per case)."""
+    case = case_of(q, k)
+    if mode() == "off" or case is None:
+        return False
+    if not attention_kernels.supports(q, k, store_dtype):
+        return False
+    if auto and case.backend == "cuda" and case.dim not in CUDA_HEAD_DIMS:
+        return False
+    if case not in _verdicts:
+        _verdicts[case] = self_check(case, check)
+    return _verdicts[case]
+
+
+def report(kernel: str, case: Case, what: str) -> None:
+    print(f"mlxwalk: kernel {kernel} {what} on {case}; using the ops path", file=sys.stderr)
+
+
+def disable(case: Case) -> None:
+    _verdicts[case] = False
+
+
+def self_check(case: Case, check: Checker) -> bool:
+    try:
+        errors = check(case)
+    except Exception as e:  # a compile error, a launch failure: the ops path still works
+        report("attention", case, f"failed to run ({str(e).splitlines()[0][:200]})")
+        return False
+    worst = max(errors, key=errors.get)
+    if errors[worst] > TOLERANCE[case.dtype]:
+        report(worst, case, f"disagrees with the ops twin (relative error {errors[worst]:.1e})")
+        return False
+    return True
