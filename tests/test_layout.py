@@ -89,3 +89,14 @@ def test_every_script_imports_what_exists():
                         f"{node.module}.{alias.name}"
                     )
                     assert found, f"{script.name}: {node.module} has no {alias.name}"
+
+
+def test_kernels_import_nothing_of_mlxwalk():
+    """metal_kernels/ stands beneath mlxwalk: kernels, their build and their harness only."""
+    root = PACKAGE.parent / "metal_kernels"
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+                module = getattr(node, "module", None) or ""
+                assert not any(n.startswith("mlxwalk") for n in [module, *names]), path

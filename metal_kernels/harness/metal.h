@@ -14,6 +14,7 @@
 using uint = unsigned int;
 using ushort = unsigned short;
 using half = _Float16;
+using float16_t = half;  // MLX names float16 so
 struct uint3 {
   uint x, y, z;
 };

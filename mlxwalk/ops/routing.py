@@ -1,4 +1,4 @@
-"""Which path a chunk's attention takes: the custom kernels (metal_kernels/) or the ops twin.
+"""Where the custom kernels (metal_kernels/) run and where the ops twins do.
 
 MLXWALK_KERNELS=auto (default) routes to a kernel where one applies and passed its self-check;
 off keeps every op on its pure-MLX twin; check runs both on every call, returns the twin's

@@ -1,0 +1,115 @@
+"""A chunk's attention: its queries over the cached prefix and its own K/V, never concatenated.
+
+MLX's `scaled_dot_product_attention` VJP on CPU and Metal materializes chunk x window x heads
+scores per layer, and feeding it means concatenating the prefix with the chunk's K/V, a
+window-sized copy per layer per chunk. `chunk_attention` reads the prefix in place instead and
+keeps the log-sum-exp for its backward, which recomputes the scores. The taps enter as
+zero-valued deltas (broadcast, so they hold no memory): their gradient is the gradient of the
+cached K/V they stand on.
+
+  twin.py    the pure-MLX implementation, tiled: every backend; the reference and the fallback
+  kernel.py  the same contract through metal_kernels/attention (Metal, CUDA)
+  check.py   the two compared: MLXWALK_KERNELS=check, the self-check, the tests' cases
+`path` picks one per call (ops/routing.py decides where a kernel may run).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .. import routing
+from . import check, kernel, twin
+from .prefix import Prefix
+from .twin import TILE
+
+__all__ = ["TILE", "Prefix", "chunk_attention", "path", "tiled_attention"]
+
+PATHS = {
+    "kernel": (kernel.forward, kernel.backward),
+    "twin": (twin.forward, twin.backward),
+    "check": (check.checked_forward, check.checked_backward),
+}
+
+
+def path(q: mx.array, k: mx.array, prefix: Prefix | None, auto: bool = False) -> str:
+    """Which implementation runs: the kernels where they apply and passed the self-check."""
+    arrays = prefix.in_place() if prefix is not None else (k, k)
+    if arrays is None or not routing.use_kernel(q, k, arrays[0].dtype, auto, check.kernel_vs_twin):
+        return "twin"
+    return "check" if routing.mode() == "check" else "kernel"
+
+
+def chunk_attention(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    prefix: Prefix | None,
+    grad_from: int,
+    taps: tuple[mx.array, mx.array] | None,
+    scale: float,
+    tile: int = TILE,
+    auto: bool = False,
+) -> mx.array:
+    """softmax(q [prefix; k]^T * scale, causal in the chunk) [prefix; v], shape of q.
+
+    q (B, Hq, L, D), k and v (B, Hkv, L, D) are the chunk's own; prefix the cached [0, start);
+    taps, if given, are zero deltas on [grad_from, start) whose gradient is dL/d(cached K/V)."""
+    gf = grad_from if taps is not None else (prefix.end if prefix is not None else 0)
+    forward, backward = PATHS[path(q, k, prefix, auto)]
+
+    @mx.custom_function
+    def attend(*inputs):
+        return forward(inputs[0], inputs[1], inputs[2], prefix, gf, scale, tile)
+
+    @attend.vjp
+    def attend_vjp(primals, cotangents, outputs):
+        q, k, v = primals[:3]
+        out, lse = outputs
+        return tuple(backward(q, k, v, prefix, gf, scale, tile, out, lse, cotangents[0]))
+
+    inputs = (q, k, v) if taps is None else (q, k, v, *taps)
+    return attend(*inputs)[0]
+
+
+def _attend(queries, keys, values, cache, scale, mask, sinks=None):
+    """mlx-lm's `scaled_dot_product_attention`, routed to `chunk_attention` for walk caches.
+
+    A walk's ChunkKV names its attention: "tiled" (chunk_attention: a kernel or its twin),
+    "fused" (mlx-lm's), "auto" (a kernel where one is routed, else mlx-lm's fused path on CUDA
+    and the twin elsewhere). mlx-lm's own caches have no such attribute."""
+    how = getattr(cache, "attention", None)
+    if how in ("tiled", "auto") and sinks is None and (mask is None or isinstance(mask, str)):
+        args = (queries, cache.keys, cache.values, cache.prefix, cache.grad_from, cache.taps)
+        if how == "tiled" or not mx.cuda.is_available():
+            return chunk_attention(*args, scale)
+        if path(queries, cache.keys, cache.prefix, auto=True) != "twin":
+            return chunk_attention(*args, scale, auto=True)
+    return _original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+
+
+def _original(*args, **kwargs):
+    from mlx_lm.models import base
+
+    return base.scaled_dot_product_attention(*args, **kwargs)
+
+
+@contextmanager
+def tiled_attention(model: nn.Module) -> Iterator[None]:
+    """Within the block, the model's attention layers call `_attend`."""
+    patched = {}
+    for _, m in model.named_modules():
+        module = sys.modules.get(type(m).__module__)
+        if module is not None and hasattr(module, "scaled_dot_product_attention"):
+            if module.__name__ != "mlx_lm.models.base" and module not in patched:
+                patched[module] = module.scaled_dot_product_attention
+                module.scaled_dot_product_attention = _attend
+    try:
+        yield
+    finally:
+        for module, original in patched.items():
+            module.scaled_dot_product_attention = original

@@ -1,0 +1,108 @@
+"""The kernels against their twin: MLXWALK_KERNELS=check's wrappers, the self-check's small case,
+and the cases the tests and the device check compare (errors against a float32 reference)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from .. import routing
+from . import kernel, twin
+from .prefix import Prefix
+
+
+def relative_error(a: mx.array, b: mx.array) -> float:
+    a, b = a.astype(mx.float32), b.astype(mx.float32)
+    return (mx.linalg.norm((a - b).reshape(-1)) / (mx.linalg.norm(b.reshape(-1)) + 1e-30)).item()
+
+
+def _compare(name: str, q, k, got, want) -> None:
+    case = routing.case_of(q, k)
+    error = max(relative_error(a, b) for a, b in zip(got, want))
+    if error > routing.TOLERANCE[q.dtype]:
+        routing.report(name, case, f"disagrees with the ops twin (relative error {error:.1e})")
+        routing.disable(case)
+
+
+def checked_forward(q, k, v, prefix, grad_from, scale, tile):
+    """Both paths, compared; the twin's result goes on (a mismatch turns the kernel off)."""
+    out, lse = twin.forward(q, k, v, prefix, grad_from, scale, tile)
+    got, _ = kernel.forward(q, k, v, prefix, grad_from, scale, tile)
+    _compare("attention/forward", q, k, [got], [out])
+    return out, lse
+
+
+def checked_backward(q, k, v, prefix, grad_from, scale, tile, out, lse, d_out):
+    want = twin.backward(q, k, v, prefix, grad_from, scale, tile, out, lse, d_out)
+    k_out, k_lse = kernel.forward(q, k, v, prefix, grad_from, scale, tile)
+    got = kernel.backward(q, k, v, prefix, grad_from, scale, tile, k_out, k_lse, d_out)
+    _compare("attention/dq, attention/dkdv", q, k, got, want)
+    return want
+
+
+class Store:
+    """One layer's K/V store in a float format, shaped as walk.store.KVStore holds it."""
+
+    def __init__(self, keys: mx.array, values: mx.array, dtype: mx.Dtype = mx.float32):
+        self.cache_type = str(dtype).removeprefix("mlx.core.")
+        self.keys, self.values = [keys.astype(dtype)], [values.astype(dtype)]
+
+    def read(self, layer: int, start: int, end: int, dtype: mx.Dtype):
+        return tuple(a[layer][..., start:end, :].astype(dtype) for a in (self.keys, self.values))
+
+
+@dataclass(frozen=True)
+class Sizes:
+    kv_heads: int = 2
+    chunk: int = 48
+    start: int = 80  # the prefix's length
+    grad_from: int = 30  # the taps cover [grad_from, start)
+
+
+OUTPUTS = ("out", "dq", "dk", "dv", "dtap_k", "dtap_v")
+
+
+def run(case: routing.Case, sizes: Sizes, store: mx.Dtype, path: str, up: bool = False) -> dict:
+    """Every output of one chunk's attention and its VJP through `path` ("kernel" or "twin");
+    `up`: on the float32 copies of the same inputs (the reference)."""
+    rng = np.random.default_rng(0)
+    hkv, n, start = sizes.kv_heads, sizes.chunk, sizes.start
+    dtype = mx.float32 if up else case.dtype
+
+    def normal(*shape):
+        x = mx.array(rng.standard_normal(shape).astype(np.float32)).astype(case.dtype)
+        return x.astype(dtype)
+
+    q = normal(1, hkv * case.groups, n, case.dim)
+    k, v, d_out = normal(1, hkv, n, case.dim), normal(1, hkv, n, case.dim), normal(*q.shape)
+    keys, values = normal(1, hkv, start + n, case.dim), normal(1, hkv, start + n, case.dim)
+    prefix = Prefix(Store(keys, values, mx.float32 if up else store), 0, start, dtype)
+    scale = case.dim**-0.5
+    impl = kernel if path == "kernel" else twin
+    out, lse = impl.forward(q, k, v, prefix, sizes.grad_from, scale, twin.TILE)
+    grads = impl.backward(q, k, v, prefix, sizes.grad_from, scale, twin.TILE, out, lse, d_out)
+    return dict(zip(OUTPUTS, [out, *grads]))
+
+
+def errors(case: routing.Case, sizes: Sizes = Sizes(), store: mx.Dtype | None = None) -> dict:
+    """{output: (the kernel's error, the twin's error)}, both against the float32 twin on the
+    same inputs (the twin's own error is 0 in float32)."""
+    store = store or case.dtype
+    ref = run(case, sizes, store, "twin", up=True)
+    got = run(case, sizes, store, "kernel")
+    own = run(case, sizes, store, "twin")
+    return {k: (relative_error(got[k], ref[k]), relative_error(own[k], ref[k])) for k in ref}
+
+
+def kernel_vs_twin(case: routing.Case) -> dict[str, float]:
+    """The self-check: the kernels against the twin on a small case, in the case's dtype."""
+    got = run(case, Sizes(), mx.float32, "kernel")
+    want = run(case, Sizes(), mx.float32, "twin")
+    e = {k: relative_error(got[k], want[k]) for k in want}
+    return {
+        "attention/forward": e["out"],
+        "attention/dq": e["dq"],
+        "attention/dkdv": max(e["dk"], e["dv"], e["dtap_k"], e["dtap_v"]),
+    }

@@ -1,0 +1,28 @@
+"""A layer's cached prefix as chunk attention reads it: tile by tile (the twin) or in place
+(the kernels)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+
+@dataclass(frozen=True)
+class Prefix:
+    """One attention layer's cached K/V on [0, end), read tile by tile from the store."""
+
+    store: object  # store.KVStore
+    layer: int
+    end: int
+    dtype: mx.Dtype
+
+    def read(self, start: int, end: int) -> tuple[mx.array, mx.array]:
+        return self.store.read(self.layer, start, end, self.dtype)
+
+    def in_place(self) -> tuple[mx.array, mx.array] | None:
+        """The layer's whole store arrays (B, H, window, D), which the kernels read in place, or
+        None for a format they do not take (8-bit)."""
+        if self.store.cache_type == "q8":
+            return None
+        return self.store.keys[self.layer], self.store.values[self.layer]
