@@ -1,0 +1,77 @@
+#!/usr/bin/env python3
+"""The attention kernels against their ops twin on this machine's GPU (or, with --harness, the
+Metal kernels through the CPU harness): every head dim, grouped-query ratio and dtype.
+
+Each output (the attention's output and dQ, dK, dV, the taps' dK and dV) is compared with the
+float32 twin on the same inputs. float32 passes at a relative L2 error <= 1e-5 (run with
+MLX_ENABLE_TF32=0 on CUDA); float16/bfloat16 pass when the kernel's error is no worse than the
+twin's own in that dtype (x1.5).
+
+    check-kernels.py               the GPU MLX runs on (Metal or CUDA)
+    check-kernels.py --harness     the Metal kernels on the CPU (slow: keep --small)
+"""
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import mlx.core as mx  # noqa: E402
+
+from metal_kernels import build, harness  # noqa: E402
+from mlxwalk.ops import routing  # noqa: E402
+from mlxwalk.ops.attention import check  # noqa: E402
+
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+def cases(small: bool):
+    dims = (64, 128, 256)
+    groups = (1, 7) if small else (1, 2, 4, 7, 8)
+    for dim in dims:
+        for g in groups:
+            for name in ("float32", "float16", "bfloat16"):
+                yield dim, g, name, name
+    yield 128, 4, "bfloat16", "float32"  # a float32 store under a bfloat16 model
+    yield 256, 2, "float16", "bfloat16"
+
+
+def bar(dtype: str, twin_error: float) -> float:
+    return 1e-5 if dtype == "float32" else 1.5 * twin_error + 1e-6
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--harness", action="store_true", help="the Metal kernels on the CPU")
+    p.add_argument("--small", action="store_true", help="fewer cases and shapes")
+    a = p.parse_args()
+    backend = "metal" if a.harness else build.current_backend()
+    if backend is None:
+        print("check-kernels: no GPU here; use --harness for the Metal kernels on the CPU")
+        return 2
+    if a.harness:
+        routing.launch = harness.launch
+    sizes = check.Sizes(chunk=40, start=70, grad_from=25) if a.small else check.Sizes(
+        kv_heads=2, chunk=300, start=777, grad_from=250)  # fmt: skip
+    print(f"# attention kernels vs the ops twin: {backend}, mlx {mx.__version__}, {sizes}, "
+          f"TF32 {os.environ.get('MLX_ENABLE_TF32', 'default')}")  # fmt: skip
+    print("| head dim | GQA | dtype | store | worst kernel error | its output | twin's own | ok |")
+    print("|---:|---:|---|---|---:|---|---:|---|")
+    failed = 0
+    for dim, g, name, store in cases(a.small):
+        case = routing.Case(backend, DTYPES[name], dim, g)
+        errors = check.errors(case, sizes, DTYPES[store])
+        worst = max(errors, key=lambda k: errors[k][0])
+        kernel_error, twin_error = errors[worst]
+        ok = all(e[0] <= bar(name, e[1]) for e in errors.values())
+        failed += not ok
+        print(f"| {dim} | {g} | {name} | {store} | {kernel_error:.2e} | {worst} | "
+              f"{twin_error:.2e} | {'OK' if ok else 'FAIL'} |", flush=True)  # fmt: skip
+    print(f"{'all OK' if not failed else f'{failed} FAILED'}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
