@@ -11,18 +11,21 @@ import mlx.core as mx
 ROOT = Path(__file__).resolve().parent
 BACKENDS = ("metal", "cuda")
 _SOURCE = {"metal": ".metal", "cuda": ".cu"}
-_HEADER = {"metal": "common.metal", "cuda": "common.cuh"}
+_HEADER = {"metal": ".metal", "cuda": ".cuh"}
 
 
 @dataclass(frozen=True)
 class Spec:
     """A kernel: its source stem under metal_kernels/ (`attention/forward` reads
-    `attention/forward.metal` or `.cu`, and the folder's `common.metal` or `.cuh` as the header)
-    and the names of its buffers, in the order they are passed."""
+    `attention/forward.metal` or `.cu`, and the folder's headers, `common.metal` or `.cuh` by
+    default, as the header), the names of its buffers in the order they are passed, and the
+    backends it has a source for."""
 
     stem: str
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
+    headers: tuple[str, ...] = ("common",)
+    backends: tuple[str, ...] = ("metal", "cuda")
 
     @property
     def name(self) -> str:
@@ -41,6 +44,7 @@ class Launch:
     grid: tuple[int, int, int]
     threadgroup: tuple[int, int, int]
     template: list[tuple[str, object]] = field(default_factory=list)
+    shared_memory: int = 0  # dynamic shared memory in bytes (CUDA)
 
 
 def current_backend() -> str | None:
@@ -52,32 +56,32 @@ def current_backend() -> str | None:
     return None
 
 
-def source(stem: str, backend: str) -> tuple[str, str]:
+def source(spec: Spec, backend: str) -> tuple[str, str]:
     """(header, body) of a kernel for a backend."""
-    path = ROOT / (stem + _SOURCE[backend])
-    header = path.parent / _HEADER[backend]
-    return (header.read_text() if header.exists() else ""), path.read_text()
+    path = ROOT / (spec.stem + _SOURCE[backend])
+    headers = [path.parent / (h + _HEADER[backend]) for h in spec.headers]
+    return "\n".join(h.read_text() for h in headers), path.read_text()
 
 
 @cache
-def kernel(spec: Spec, backend: str):
-    """The MLX kernel object (built once per backend; MLX compiles each template on first use)."""
-    header, body = source(spec.stem, backend)
-    make = mx.fast.metal_kernel if backend == "metal" else mx.fast.cuda_kernel
-    return make(
-        name=spec.name,
-        input_names=list(spec.inputs),
-        output_names=list(spec.outputs),
-        source=body,
-        header=header,
-    )
+def kernel(spec: Spec, backend: str, shared_memory: int = 0):
+    """The MLX kernel object (built once per backend and shared memory size; MLX compiles each
+    template on first use)."""
+    if backend not in spec.backends:
+        raise RuntimeError(f"{spec.name} has no {backend} source")
+    header, body = source(spec, backend)
+    common = {"name": spec.name, "input_names": list(spec.inputs),
+              "output_names": list(spec.outputs), "source": body, "header": header}  # fmt: skip
+    if backend == "metal":
+        return mx.fast.metal_kernel(**common)
+    return mx.fast.cuda_kernel(**common, shared_memory=shared_memory)
 
 
 def launch(call: Launch, backend: str | None = None, verbose: bool = False) -> list[mx.array]:
     backend = backend or current_backend()
     if backend not in BACKENDS:
         raise RuntimeError(f"{call.spec.name}: no GPU backend to run it on")
-    return kernel(call.spec, backend)(
+    return kernel(call.spec, backend, call.shared_memory if backend == "cuda" else 0)(
         inputs=call.inputs,
         template=call.template,
         grid=call.grid,

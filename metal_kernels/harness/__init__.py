@@ -32,7 +32,7 @@ _ATTRIBUTES = re.compile(r"\[\[(?!buffer)[a-z_]+\]\]")
 def render(call: Launch) -> str:
     """MLX's generated Metal source for the call (printed by `mx.export_function` with
     `verbose=True`; on a build without Metal nothing runs)."""
-    k = kernel(call.spec, "metal")
+    k = kernel(call.spec, "metal")  # (the CUDA-only tensor-core kernels have no Metal body)
 
     def fn(*inputs):
         return k(inputs=list(inputs), template=call.template, grid=call.grid,

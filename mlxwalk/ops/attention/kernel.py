@@ -17,14 +17,16 @@ def _store(prefix: Prefix | None):
 
 def forward(q, k, v, prefix, grad_from, scale, tile):
     pk, pv, start = _store(prefix)
-    o, lse = attention_kernels.forward(q, k, v, pk, pv, start, scale, run=routing.launch)
+    tc = attention_kernels.tensor_cores(q, routing.backend())
+    o, lse = attention_kernels.forward(q, k, v, pk, pv, start, scale, run=routing.launch, tc=tc)
     return o.astype(q.dtype), lse
 
 
 def backward(q, k, v, prefix, grad_from, scale, tile, out, lse, d_out):
     pk, pv, start = _store(prefix)
+    tc = attention_kernels.tensor_cores(q, routing.backend())
     dq, dk, dv = attention_kernels.backward(
-        q, k, v, pk, pv, start, grad_from, scale, out, lse, d_out, run=routing.launch
+        q, k, v, pk, pv, start, grad_from, scale, out, lse, d_out, run=routing.launch, tc=tc
     )
     taps = start - grad_from
     grads = [dq.astype(q.dtype), dk[:, :, taps:].astype(k.dtype), dv[:, :, taps:].astype(v.dtype)]

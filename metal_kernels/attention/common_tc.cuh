@@ -1,0 +1,58 @@
+// Tensor-core helpers for the CUDA-only half-precision attention kernels (*_tc.cu): warp-level
+// 16x16x16 matrix products through nvcuda::wmma, float accumulation, operands in shared memory.
+#include <mma.h>
+
+namespace mlxwalk_tc {
+namespace wm = nvcuda::wmma;
+template <typename T>
+using FragA = wm::fragment<wm::matrix_a, 16, 16, 16, T, wm::row_major>;
+template <typename T>
+using FragBt = wm::fragment<wm::matrix_b, 16, 16, 16, T, wm::col_major>;
+template <typename T>
+using FragB = wm::fragment<wm::matrix_b, 16, 16, 16, T, wm::row_major>;
+using FragC = wm::fragment<wm::accumulator, 16, 16, 16, float>;
+
+// out (16 x 16 NT, float, ld ldo) = a (16 x K, ld lda) . b^T, b being 16 NT rows of K (ld ldb).
+template <typename T, int K, int NT>
+__device__ inline void rows_by_rows(float* out, int ldo, const T* a, int lda, const T* b, int ldb) {
+  for (int n = 0; n < NT; ++n) {
+    FragC c;
+    wm::fill_fragment(c, 0.0f);
+#pragma unroll 4
+    for (int kk = 0; kk < K; kk += 16) {
+      FragA<T> fa;
+      FragBt<T> fb;
+      wm::load_matrix_sync(fa, a + kk, lda);
+      wm::load_matrix_sync(fb, b + n * 16 * ldb + kk, ldb);
+      wm::mma_sync(c, fa, fb, c);
+    }
+    wm::store_matrix_sync(out + n * 16, c, ldo, wm::mem_row_major);
+  }
+}
+
+// acc (16 x N, float, ld ldc) += a (16 x K, ld lda) . b (K x N, ld ldb).
+template <typename T, int K, int N>
+__device__ inline void accumulate(float* acc, int ldc, const T* a, int lda, const T* b, int ldb) {
+  for (int n = 0; n < N; n += 16) {
+    FragC c;
+    wm::load_matrix_sync(c, acc + n, ldc, wm::mem_row_major);
+#pragma unroll
+    for (int kk = 0; kk < K; kk += 16) {
+      FragA<T> fa;
+      FragB<T> fb;
+      wm::load_matrix_sync(fa, a + kk, lda);
+      wm::load_matrix_sync(fb, b + kk * ldb + n, ldb);
+      wm::mma_sync(c, fa, fb, c);
+    }
+    wm::store_matrix_sync(acc + n, c, ldc, wm::mem_row_major);
+  }
+}
+
+// Stage `rows` rows of D from a source row function into shared memory as T (zeros past `valid`).
+template <typename T, int D, typename F>
+__device__ inline void stage(T* dst, int rows, F src, int tid, int threads) {
+  for (int e = tid; e < rows * D; e += threads) {
+    dst[e] = static_cast<T>(src(e / D, e % D));
+  }
+}
+}  // namespace mlxwalk_tc

@@ -1,0 +1,82 @@
+// Chunk attention forward on tensor cores (CUDA only; float16/bfloat16 inputs, float32
+// accumulation): the contract of forward.metal/forward.cu. A block of W warps takes 16 W query
+// rows of one head and walks the keys in tiles of 32: S = Q K^T and O += P V on tensor cores, the
+// online softmax in float32 with two lanes per row, O kept in shared memory and rescaled per tile.
+using namespace mlxwalk_tc;
+constexpr int BQ = 16 * W, BK = 32, THREADS = 32 * W;
+extern __shared__ __align__(32) unsigned char smem[];
+T* sQ = reinterpret_cast<T*>(smem);               // BQ x D
+T* sK = sQ + BQ * D;                              // BK x D
+T* sV = sK + BK * D;                              // BK x D
+T* sP = sV + BK * D;                              // BQ x BK probabilities
+float* sS = reinterpret_cast<float*>(sP + BQ * BK);  // BQ x BK scores
+float* sO = sS + BQ * BK;                         // BQ x D output accumulator
+
+const int B = params[0], HQ = params[1], HKV = params[2], L = params[3];
+const int N = params[4], START = params[5], BS = params[7];
+const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+const int blocks = (L + BQ - 1) / BQ;
+const int q0 = (blockIdx.x % blocks) * BQ, h = (blockIdx.x / blocks) % HQ;
+const int b = blockIdx.x / (blocks * HQ), hk = h / (HQ / HKV);
+const size_t own = size_t(b * HKV + hk) * L * D;
+const size_t pre = size_t((BS > 1 ? b : 0) * HKV + hk) * N * D;
+const size_t qrows = size_t(b * HQ + h) * L;
+const float sc = scale[0];
+
+stage<T, D>(sQ, BQ, [&](int r, int d) {
+  return q0 + r < L ? static_cast<float>(q[(qrows + q0 + r) * D + d]) : 0.0f;
+}, tid, THREADS);
+for (int e = tid; e < BQ * D; e += THREADS) {
+  sO[e] = 0.0f;
+}
+const int row = warp * 16 + lane / 2, half = lane % 2;  // two lanes per row, 16 columns each
+const int i = q0 + row;
+const int seen = START + min(i, L - 1) + 1;  // keys row i sees
+const int kend = START + min(q0 + BQ, L);
+float m = MLXWALK_NEG_INF, l = 0.0f;
+__syncthreads();
+for (int k0 = 0; k0 < kend; k0 += BK) {
+  auto key = [&](const T* own_rows, const S* store, int r, int d) {
+    const int j = k0 + r;
+    if (j < START) return static_cast<float>(store[pre + size_t(j) * D + d]);
+    if (j < START + L) return static_cast<float>(own_rows[own + size_t(j - START) * D + d]);
+    return 0.0f;
+  };
+  stage<T, D>(sK, BK, [&](int r, int d) { return key(k, pk, r, d); }, tid, THREADS);
+  stage<T, D>(sV, BK, [&](int r, int d) { return key(v, pv, r, d); }, tid, THREADS);
+  __syncthreads();
+  rows_by_rows<T, D, BK / 16>(sS + warp * 16 * BK, BK, sQ + warp * 16 * D, D, sK, D);
+  __syncwarp();
+  float* s = sS + row * BK + half * 16;
+  float top = MLXWALK_NEG_INF;
+  for (int c = 0; c < 16; ++c) {
+    const float x = k0 + half * 16 + c < seen ? s[c] * sc : MLXWALK_NEG_INF;
+    s[c] = x;
+    top = fmaxf(top, x);
+  }
+  top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 1));
+  const float m_new = fmaxf(m, top);
+  const float corr = expf(m - m_new);
+  float sum = 0.0f;
+  for (int c = 0; c < 16; ++c) {
+    const float p = expf(s[c] - m_new);
+    sum += p;
+    sP[row * BK + half * 16 + c] = static_cast<T>(p);
+  }
+  l = l * corr + sum + __shfl_xor_sync(0xffffffffu, sum, 1);
+  m = m_new;
+  for (int d = half; d < D; d += 2) {
+    sO[row * D + d] *= corr;
+  }
+  __syncwarp();
+  accumulate<T, BK, D>(sO + warp * 16 * D, D, sP + warp * 16 * BK, BK, sV, D);
+  __syncthreads();  // every warp is done with this tile's K and V
+}
+if (i < L) {
+  for (int d = half; d < D; d += 2) {
+    o[(qrows + i) * D + d] = sO[row * D + d] / l;
+  }
+  if (half == 0) {
+    lse[qrows + i] = m + logf(l);
+  }
+}
