@@ -68,8 +68,9 @@ def main() -> int:
         ok = all(e[0] <= bar(name, e[1]) for e in errors.values())
         failed += not ok
         bad = [f"{k} {e[0]:.2e} vs {e[1]:.2e}" for k, e in errors.items() if e[0] > bar(name, e[1])]
+        verdict = "OK" if ok else "FAIL: " + ", ".join(bad)
         print(f"| {dim} | {g} | {name} | {store} | {kernel_error:.2e} | {worst} | "
-              f"{twin_error:.2e} | {'OK' if ok else 'FAIL: ' + ', '.join(bad)} |", flush=True)  # fmt: skip
+              f"{twin_error:.2e} | {verdict} |", flush=True)  # fmt: skip
     print(f"{'all OK' if not failed else f'{failed} FAILED'}")
     return 1 if failed else 0
 
