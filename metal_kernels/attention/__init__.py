@@ -67,12 +67,14 @@ def _tc_grid(rows: int, dim: int) -> dict:
 
 
 def _tc_shared(kind: str, dim: int, itemsize: int) -> int:
-    """Bytes of shared memory each tensor-core kernel carves (see its source)."""
+    """Bytes of shared memory each tensor-core kernel carves (see its source and Pitch in
+    common_tc.cuh: rows padded by 8 elements of T or 4 floats)."""
     r, k = 16 * _warps(dim), BK
+    ld, lp, ls, la = dim + 8, k + 8, k + 4, dim + 4
     halves, floats = {
-        "forward": (r * dim + 2 * k * dim + r * k, r * k + r * dim),
-        "dq": (2 * r * dim + 2 * k * dim + r * k, 2 * r * k + r * dim),
-        "dkdv": (2 * r * dim + 2 * k * dim + 2 * r * k, 2 * r * k + 2 * r * dim + 2 * k),
+        "forward": (r * ld + 2 * k * ld + r * lp, r * ls + r * la),
+        "dq": (2 * r * ld + 2 * k * ld + r * lp, 2 * r * ls + r * la),
+        "dkdv": (2 * r * ld + 2 * k * ld + 2 * r * lp, 2 * r * ls + 2 * r * la + 2 * k),
     }[kind]
     return halves * itemsize + floats * 4
 

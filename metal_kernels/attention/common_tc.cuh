@@ -48,11 +48,22 @@ __device__ inline void accumulate(float* acc, int ldc, const T* a, int lda, cons
   }
 }
 
-// Stage `rows` rows of D from a source row function into shared memory as T (zeros past `valid`).
+// Stage `rows` rows of D elements, src(row, d), into shared memory as T with row pitch `ld`.
 template <typename T, int D, typename F>
-__device__ inline void stage(T* dst, int rows, F src, int tid, int threads) {
+__device__ inline void stage(T* dst, int ld, int rows, F src, int tid, int threads) {
   for (int e = tid; e < rows * D; e += threads) {
-    dst[e] = static_cast<T>(src(e / D, e % D));
+    dst[(e / D) * ld + e % D] = static_cast<T>(src(e / D, e % D));
   }
 }
+
+// Row pitches in shared memory, padded so that the rows of a 16x16 fragment fall in different
+// banks (a pitch of a multiple of 128 bytes puts them all in one); wmma needs pitches in
+// multiples of 16 bytes and fragments on 32-byte boundaries, which these keep.
+template <int D>
+struct Pitch {
+  static constexpr int half = D + 8;  // rows of D in T
+  static constexpr int tile = 32 + 8;  // rows of a 32-wide tile in T
+  static constexpr int score = 32 + 4;  // rows of a 32-wide tile in float
+  static constexpr int acc = D + 4;  // rows of D in float
+};
 }  // namespace mlxwalk_tc

@@ -5,18 +5,19 @@
 // dK += dS^T Q on tensor cores, the accumulators in shared memory.
 using namespace mlxwalk_tc;
 constexpr int BR = 16 * W, BQ = 32, THREADS = 32 * W;
+constexpr int LD = Pitch<D>::half, LP = Pitch<D>::tile, LS = Pitch<D>::score, LA = Pitch<D>::acc;
 extern __shared__ __align__(32) unsigned char smem[];
 T* sK = reinterpret_cast<T*>(smem);                   // BR x D
-T* sV = sK + BR * D;                                  // BR x D
-T* sQ = sV + BR * D;                                  // BQ x D
-T* sdO = sQ + BQ * D;                                 // BQ x D
-T* sP = sdO + BQ * D;                                 // BR x BQ
-T* sdS = sP + BR * BQ;                                // BR x BQ
-float* sS = reinterpret_cast<float*>(sdS + BR * BQ);  // BR x BQ
-float* sdP = sS + BR * BQ;                            // BR x BQ
-float* aK = sdP + BR * BQ;                            // BR x D
-float* aV = aK + BR * D;                              // BR x D
-float* sL = aV + BR * D;                              // BQ log-sum-exps
+T* sV = sK + BR * LD;                                 // BR x D
+T* sQ = sV + BR * LD;                                 // BQ x D
+T* sdO = sQ + BQ * LD;                                // BQ x D
+T* sP = sdO + BQ * LD;                                // BR x BQ
+T* sdS = sP + BR * LP;                                // BR x BQ
+float* sS = reinterpret_cast<float*>(sdS + BR * LP);  // BR x BQ
+float* sdP = sS + BR * LS;                            // BR x BQ
+float* aK = sdP + BR * LS;                            // BR x D
+float* aV = aK + BR * LA;                             // BR x D
+float* sL = aV + BR * LA;                             // BQ log-sum-exps
 float* sDelta = sL + BQ;                              // BQ deltas
 
 const int B = params[0], HQ = params[1], HKV = params[2], L = params[3];
@@ -36,9 +37,9 @@ auto key = [&](const T* own_rows, const S* store, int r, int d) {
   if (c < ROWS_ALL) return static_cast<float>(own_rows[own + size_t(c - NT) * D + d]);
   return 0.0f;
 };
-stage<T, D>(sK, BR, [&](int r, int d) { return key(k, pk, r, d); }, tid, THREADS);
-stage<T, D>(sV, BR, [&](int r, int d) { return key(v, pv, r, d); }, tid, THREADS);
-for (int e = tid; e < BR * D; e += THREADS) {
+stage<T, D>(sK, LD, BR, [&](int r, int d) { return key(k, pk, r, d); }, tid, THREADS);
+stage<T, D>(sV, LD, BR, [&](int r, int d) { return key(v, pv, r, d); }, tid, THREADS);
+for (int e = tid; e < BR * LA; e += THREADS) {
   aK[e] = 0.0f;
   aV[e] = 0.0f;
 }
@@ -50,10 +51,10 @@ for (int g = 0; g < R; ++g) {
   const size_t qrows = size_t(b * HQ + hk * R + g) * L;
   for (int q0 = block_first - block_first % BQ; q0 < L; q0 += BQ) {
     __syncthreads();  // the previous tile's Q, dO, lse and delta are no longer read
-    stage<T, D>(sQ, BQ, [&](int r, int d) {
+    stage<T, D>(sQ, LD, BQ, [&](int r, int d) {
       return q0 + r < L ? static_cast<float>(q[(qrows + q0 + r) * D + d]) : 0.0f;
     }, tid, THREADS);
-    stage<T, D>(sdO, BQ, [&](int r, int d) {
+    stage<T, D>(sdO, LD, BQ, [&](int r, int d) {
       return q0 + r < L ? static_cast<float>(d_out[(qrows + q0 + r) * D + d]) : 0.0f;
     }, tid, THREADS);
     for (int r = tid; r < BQ; r += THREADS) {
@@ -61,19 +62,19 @@ for (int g = 0; g < R; ++g) {
       sDelta[r] = q0 + r < L ? delta[qrows + q0 + r] : 0.0f;
     }
     __syncthreads();
-    rows_by_rows<T, D, BQ / 16>(sS + warp * 16 * BQ, BQ, sK + warp * 16 * D, D, sQ, D);
-    rows_by_rows<T, D, BQ / 16>(sdP + warp * 16 * BQ, BQ, sV + warp * 16 * D, D, sdO, D);
+    rows_by_rows<T, D, BQ / 16>(sS + warp * 16 * LS, LS, sK + warp * 16 * LD, LD, sQ, LD);
+    rows_by_rows<T, D, BQ / 16>(sdP + warp * 16 * LS, LS, sV + warp * 16 * LD, LD, sdO, LD);
     __syncwarp();
     for (int col = half * 16; col < half * 16 + 16; ++col) {
       const int i = q0 + col;
       const bool sees = i < L && i >= first && c < ROWS_ALL;
-      const float p = sees ? expf(sS[row * BQ + col] * sc - sL[col]) : 0.0f;
-      sP[row * BQ + col] = static_cast<T>(p);
-      sdS[row * BQ + col] = static_cast<T>(p * (sdP[row * BQ + col] - sDelta[col]));
+      const float p = sees ? expf(sS[row * LS + col] * sc - sL[col]) : 0.0f;
+      sP[row * LP + col] = static_cast<T>(p);
+      sdS[row * LP + col] = static_cast<T>(p * (sdP[row * LS + col] - sDelta[col]));
     }
     __syncwarp();
-    accumulate<T, BQ, D>(aV + warp * 16 * D, D, sP + warp * 16 * BQ, BQ, sdO, D);
-    accumulate<T, BQ, D>(aK + warp * 16 * D, D, sdS + warp * 16 * BQ, BQ, sQ, D);
+    accumulate<T, BQ, D>(aV + warp * 16 * LA, LA, sP + warp * 16 * LP, LP, sdO, LD);
+    accumulate<T, BQ, D>(aK + warp * 16 * LA, LA, sdS + warp * 16 * LP, LP, sQ, LD);
   }
 }
 __syncthreads();
@@ -81,7 +82,7 @@ for (int e = tid; e < BR * D; e += THREADS) {
   const int r = e / D;
   if (c0 + r < ROWS_ALL) {
     const size_t at = (size_t(b * HKV + hk) * ROWS_ALL + c0 + r) * D + e % D;
-    dk[at] = aK[e] * sc;
-    dv[at] = aV[e];
+    dk[at] = aK[r * LA + e % D] * sc;
+    dv[at] = aV[r * LA + e % D];
   }
 }

@@ -3,15 +3,16 @@
 // dP = dO V^T on tensor cores, dS = P (dP - delta) in float32, dQ += dS K on tensor cores.
 using namespace mlxwalk_tc;
 constexpr int BQ = 16 * W, BK = 32, THREADS = 32 * W;
+constexpr int LD = Pitch<D>::half, LP = Pitch<D>::tile, LS = Pitch<D>::score, LA = Pitch<D>::acc;
 extern __shared__ __align__(32) unsigned char smem[];
-T* sQ = reinterpret_cast<T*>(smem);                  // BQ x D
-T* sdO = sQ + BQ * D;                                // BQ x D
-T* sK = sdO + BQ * D;                                // BK x D
-T* sV = sK + BK * D;                                 // BK x D
-T* sdS = sV + BK * D;                                // BQ x BK
-float* sS = reinterpret_cast<float*>(sdS + BQ * BK);  // BQ x BK
-float* sdP = sS + BQ * BK;                           // BQ x BK
-float* sA = sdP + BQ * BK;                           // BQ x D dQ accumulator
+T* sQ = reinterpret_cast<T*>(smem);                   // BQ x D
+T* sdO = sQ + BQ * LD;                                // BQ x D
+T* sK = sdO + BQ * LD;                                // BK x D
+T* sV = sK + BK * LD;                                 // BK x D
+T* sdS = sV + BK * LD;                                // BQ x BK
+float* sS = reinterpret_cast<float*>(sdS + BQ * LP);  // BQ x BK
+float* sdP = sS + BQ * LS;                            // BQ x BK
+float* sA = sdP + BQ * LS;                            // BQ x D dQ accumulator
 
 const int B = params[0], HQ = params[1], HKV = params[2], L = params[3];
 const int N = params[4], START = params[5], BS = params[7];
@@ -24,13 +25,13 @@ const size_t pre = size_t((BS > 1 ? b : 0) * HKV + hk) * N * D;
 const size_t qrows = size_t(b * HQ + h) * L;
 const float sc = scale[0];
 
-stage<T, D>(sQ, BQ, [&](int r, int d) {
+stage<T, D>(sQ, LD, BQ, [&](int r, int d) {
   return q0 + r < L ? static_cast<float>(q[(qrows + q0 + r) * D + d]) : 0.0f;
 }, tid, THREADS);
-stage<T, D>(sdO, BQ, [&](int r, int d) {
+stage<T, D>(sdO, LD, BQ, [&](int r, int d) {
   return q0 + r < L ? static_cast<float>(d_out[(qrows + q0 + r) * D + d]) : 0.0f;
 }, tid, THREADS);
-for (int e = tid; e < BQ * D; e += THREADS) {
+for (int e = tid; e < BQ * LA; e += THREADS) {
   sA[e] = 0.0f;
 }
 const int row = warp * 16 + lane / 2, half = lane % 2;
@@ -46,22 +47,22 @@ for (int k0 = 0; k0 < kend; k0 += BK) {
     if (j < START + L) return static_cast<float>(own_rows[own + size_t(j - START) * D + d]);
     return 0.0f;
   };
-  stage<T, D>(sK, BK, [&](int r, int d) { return key(k, pk, r, d); }, tid, THREADS);
-  stage<T, D>(sV, BK, [&](int r, int d) { return key(v, pv, r, d); }, tid, THREADS);
+  stage<T, D>(sK, LD, BK, [&](int r, int d) { return key(k, pk, r, d); }, tid, THREADS);
+  stage<T, D>(sV, LD, BK, [&](int r, int d) { return key(v, pv, r, d); }, tid, THREADS);
   __syncthreads();
-  rows_by_rows<T, D, BK / 16>(sS + warp * 16 * BK, BK, sQ + warp * 16 * D, D, sK, D);
-  rows_by_rows<T, D, BK / 16>(sdP + warp * 16 * BK, BK, sdO + warp * 16 * D, D, sV, D);
+  rows_by_rows<T, D, BK / 16>(sS + warp * 16 * LS, LS, sQ + warp * 16 * LD, LD, sK, LD);
+  rows_by_rows<T, D, BK / 16>(sdP + warp * 16 * LS, LS, sdO + warp * 16 * LD, LD, sV, LD);
   __syncwarp();
   for (int c = half * 16; c < half * 16 + 16; ++c) {
-    const float p = k0 + c < seen && i < L ? expf(sS[row * BK + c] * sc - lse_i) : 0.0f;
-    sdS[row * BK + c] = static_cast<T>(p * (sdP[row * BK + c] - delta_i));
+    const float p = k0 + c < seen && i < L ? expf(sS[row * LS + c] * sc - lse_i) : 0.0f;
+    sdS[row * LP + c] = static_cast<T>(p * (sdP[row * LS + c] - delta_i));
   }
   __syncwarp();
-  accumulate<T, BK, D>(sA + warp * 16 * D, D, sdS + warp * 16 * BK, BK, sK, D);
+  accumulate<T, BK, D>(sA + warp * 16 * LA, LA, sdS + warp * 16 * LP, LP, sK, LD);
   __syncthreads();
 }
 if (i < L) {
   for (int d = half; d < D; d += 2) {
-    dq[(qrows + i) * D + d] = sA[row * D + d] * sc;
+    dq[(qrows + i) * D + d] = sA[row * LA + d] * sc;
   }
 }

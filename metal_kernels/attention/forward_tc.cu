@@ -4,13 +4,14 @@
 // online softmax in float32 with two lanes per row, O kept in shared memory and rescaled per tile.
 using namespace mlxwalk_tc;
 constexpr int BQ = 16 * W, BK = 32, THREADS = 32 * W;
+constexpr int LD = Pitch<D>::half, LP = Pitch<D>::tile, LS = Pitch<D>::score, LO = Pitch<D>::acc;
 extern __shared__ __align__(32) unsigned char smem[];
-T* sQ = reinterpret_cast<T*>(smem);               // BQ x D
-T* sK = sQ + BQ * D;                              // BK x D
-T* sV = sK + BK * D;                              // BK x D
-T* sP = sV + BK * D;                              // BQ x BK probabilities
-float* sS = reinterpret_cast<float*>(sP + BQ * BK);  // BQ x BK scores
-float* sO = sS + BQ * BK;                         // BQ x D output accumulator
+T* sQ = reinterpret_cast<T*>(smem);                  // BQ x D
+T* sK = sQ + BQ * LD;                                // BK x D
+T* sV = sK + BK * LD;                                // BK x D
+T* sP = sV + BK * LD;                                // BQ x BK probabilities
+float* sS = reinterpret_cast<float*>(sP + BQ * LP);  // BQ x BK scores
+float* sO = sS + BQ * LS;                            // BQ x D output accumulator
 
 const int B = params[0], HQ = params[1], HKV = params[2], L = params[3];
 const int N = params[4], START = params[5], BS = params[7];
@@ -23,10 +24,10 @@ const size_t pre = size_t((BS > 1 ? b : 0) * HKV + hk) * N * D;
 const size_t qrows = size_t(b * HQ + h) * L;
 const float sc = scale[0];
 
-stage<T, D>(sQ, BQ, [&](int r, int d) {
+stage<T, D>(sQ, LD, BQ, [&](int r, int d) {
   return q0 + r < L ? static_cast<float>(q[(qrows + q0 + r) * D + d]) : 0.0f;
 }, tid, THREADS);
-for (int e = tid; e < BQ * D; e += THREADS) {
+for (int e = tid; e < BQ * LO; e += THREADS) {
   sO[e] = 0.0f;
 }
 const int row = warp * 16 + lane / 2, half = lane % 2;  // two lanes per row, 16 columns each
@@ -42,12 +43,12 @@ for (int k0 = 0; k0 < kend; k0 += BK) {
     if (j < START + L) return static_cast<float>(own_rows[own + size_t(j - START) * D + d]);
     return 0.0f;
   };
-  stage<T, D>(sK, BK, [&](int r, int d) { return key(k, pk, r, d); }, tid, THREADS);
-  stage<T, D>(sV, BK, [&](int r, int d) { return key(v, pv, r, d); }, tid, THREADS);
+  stage<T, D>(sK, LD, BK, [&](int r, int d) { return key(k, pk, r, d); }, tid, THREADS);
+  stage<T, D>(sV, LD, BK, [&](int r, int d) { return key(v, pv, r, d); }, tid, THREADS);
   __syncthreads();
-  rows_by_rows<T, D, BK / 16>(sS + warp * 16 * BK, BK, sQ + warp * 16 * D, D, sK, D);
+  rows_by_rows<T, D, BK / 16>(sS + warp * 16 * LS, LS, sQ + warp * 16 * LD, LD, sK, LD);
   __syncwarp();
-  float* s = sS + row * BK + half * 16;
+  float* s = sS + row * LS + half * 16;
   float top = MLXWALK_NEG_INF;
   for (int c = 0; c < 16; ++c) {
     const float x = k0 + half * 16 + c < seen ? s[c] * sc : MLXWALK_NEG_INF;
@@ -61,20 +62,20 @@ for (int k0 = 0; k0 < kend; k0 += BK) {
   for (int c = 0; c < 16; ++c) {
     const float p = expf(s[c] - m_new);
     sum += p;
-    sP[row * BK + half * 16 + c] = static_cast<T>(p);
+    sP[row * LP + half * 16 + c] = static_cast<T>(p);
   }
   l = l * corr + sum + __shfl_xor_sync(0xffffffffu, sum, 1);
   m = m_new;
   for (int d = half; d < D; d += 2) {
-    sO[row * D + d] *= corr;
+    sO[row * LO + d] *= corr;
   }
   __syncwarp();
-  accumulate<T, BK, D>(sO + warp * 16 * D, D, sP + warp * 16 * BK, BK, sV, D);
+  accumulate<T, BK, D>(sO + warp * 16 * LO, LO, sP + warp * 16 * LP, LP, sV, LD);
   __syncthreads();  // every warp is done with this tile's K and V
 }
 if (i < L) {
   for (int d = half; d < D; d += 2) {
-    o[(qrows + i) * D + d] = sO[row * D + d] / l;
+    o[(qrows + i) * D + d] = sO[row * LO + d] / l;
   }
   if (half == 0) {
     lse[qrows + i] = m + logf(l);
