@@ -33,6 +33,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--arch", default="sm_90")
     p.add_argument("--dims", type=int, nargs="+", default=[64, 128, 256])
+    p.add_argument("--nvcc", nargs="*", default=[], help="more nvcc flags, e.g. -Xptxas=-v")
     a = p.parse_args()
     units, headers = [], {}
     for dim in a.dims:
@@ -46,20 +47,13 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "kernels.cu"
         src.write_text(cuda_source.PRELUDE + "\n".join(headers.values()) + "\n".join(units))
-        cmd = [
-            "nvcc",
-            f"-arch={a.arch}",
-            "-std=c++17",
-            "-c",
-            "-o",
-            str(Path(tmp) / "k.o"),
-            str(src),
-        ]
+        out = str(Path(tmp) / "k.o")
+        cmd = ["nvcc", f"-arch={a.arch}", "-std=c++17", *a.nvcc, "-c", "-o", out, str(src)]
         done = subprocess.run(cmd, capture_output=True, text=True)
+        if a.nvcc:
+            print(done.stderr[-20000:])
         print(
-            done.stderr[-6000:]
-            if done.returncode
-            else f"{len(units)} kernels compiled for {a.arch}"
+            done.stderr[-6000:] if done.returncode else f"{len(units)} kernels compiled ({a.arch})"
         )
         return done.returncode
 

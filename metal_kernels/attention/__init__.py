@@ -72,7 +72,7 @@ def _tc_shared(kind: str, dim: int, itemsize: int) -> int:
     r, k = 16 * _warps(dim), BK
     ld, lp, ls, la = dim + 8, k + 8, k + 4, dim + 4
     halves, floats = {
-        "forward": (r * ld + 2 * k * ld + r * lp, r * ls + r * la),
+        "forward": (r * ld + 2 * k * ld + r * lp, r * ls + r * la + r),
         "dq": (2 * r * ld + 2 * k * ld + r * lp, 2 * r * ls + r * la),
         "dkdv": (2 * r * ld + 2 * k * ld + 2 * r * lp, 2 * r * ls + 2 * r * la + 2 * k),
     }[kind]

@@ -48,6 +48,27 @@ __device__ inline void accumulate(float* acc, int ldc, const T* a, int lda, cons
   }
 }
 
+// acc[n] += a (16 x K, ld lda) . b (K x 16 NT, ld ldb), n over NT column tiles, acc in registers.
+template <typename T, int K, int NT>
+__device__ inline void accumulate_in(FragC* acc, const T* a, int lda, const T* b, int ldb) {
+#pragma unroll
+  for (int kk = 0; kk < K; kk += 16) {
+    FragA<T> fa;
+    wm::load_matrix_sync(fa, a + kk, lda);
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      FragB<T> fb;
+      wm::load_matrix_sync(fb, b + kk * ldb + n * 16, ldb);
+      wm::mma_sync(acc[n], fa, fb, acc[n]);
+    }
+  }
+}
+
+// Element e of a 16x16 float accumulator fragment lies in row (lane / 4) + 8 ((e / 2) % 2) of
+// it on sm_80 and later (the layout of two m16n8k16 mma tiles); the forward's per-row rescaling
+// relies on it, and the self-check would catch a GPU where it does not hold.
+__device__ inline int fragment_row(int lane, int e) { return lane / 4 + 8 * ((e / 2) % 2); }
+
 // Stage `rows` rows of D elements, src(row, d), into shared memory as T with row pitch `ld`.
 template <typename T, int D, typename F>
 __device__ inline void stage(T* dst, int ld, int rows, F src, int tid, int threads) {

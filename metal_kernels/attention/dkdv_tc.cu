@@ -2,7 +2,8 @@
 // cores (CUDA only; the contract of dkdv.metal/dkdv.cu, no atomics). A block of W warps owns 16 W
 // key rows of one K/V head and walks every grouped query head's queries in tiles of 32:
 // S^T = K Q^T and dP^T = V dO^T on tensor cores, P and dS in float32, dV += P^T dO and
-// dK += dS^T Q on tensor cores, the accumulators in shared memory.
+// dK += dS^T Q on tensor cores, the accumulators in registers up to head dim 128 (in shared memory
+// beyond: 2 D / 16 fragments would not fit a thread's registers).
 using namespace mlxwalk_tc;
 constexpr int BR = 16 * W, BQ = 32, THREADS = 32 * W;
 constexpr int LD = Pitch<D>::half, LP = Pitch<D>::tile, LS = Pitch<D>::score, LA = Pitch<D>::acc;
@@ -39,6 +40,13 @@ auto key = [&](const T* own_rows, const S* store, int r, int d) {
 };
 stage<T, D>(sK, LD, BR, [&](int r, int d) { return key(k, pk, r, d); }, tid, THREADS);
 stage<T, D>(sV, LD, BR, [&](int r, int d) { return key(v, pv, r, d); }, tid, THREADS);
+constexpr bool IN_REGISTERS = D <= 128;
+constexpr int NF = IN_REGISTERS ? D / 16 : 1;
+FragC acc_k[NF], acc_v[NF];
+for (int n = 0; n < NF; ++n) {
+  wm::fill_fragment(acc_k[n], 0.0f);
+  wm::fill_fragment(acc_v[n], 0.0f);
+}
 for (int e = tid; e < BR * LA; e += THREADS) {
   aK[e] = 0.0f;
   aV[e] = 0.0f;
@@ -73,8 +81,19 @@ for (int g = 0; g < R; ++g) {
       sdS[row * LP + col] = static_cast<T>(p * (sdP[row * LS + col] - sDelta[col]));
     }
     __syncwarp();
-    accumulate<T, BQ, D>(aV + warp * 16 * LA, LA, sP + warp * 16 * LP, LP, sdO, LD);
-    accumulate<T, BQ, D>(aK + warp * 16 * LA, LA, sdS + warp * 16 * LP, LP, sQ, LD);
+    if constexpr (IN_REGISTERS) {
+      accumulate_in<T, BQ, NF>(acc_v, sP + warp * 16 * LP, LP, sdO, LD);
+      accumulate_in<T, BQ, NF>(acc_k, sdS + warp * 16 * LP, LP, sQ, LD);
+    } else {
+      accumulate<T, BQ, D>(aV + warp * 16 * LA, LA, sP + warp * 16 * LP, LP, sdO, LD);
+      accumulate<T, BQ, D>(aK + warp * 16 * LA, LA, sdS + warp * 16 * LP, LP, sQ, LD);
+    }
+  }
+}
+if constexpr (IN_REGISTERS) {
+  for (int n = 0; n < NF; ++n) {
+    wm::store_matrix_sync(aK + warp * 16 * LA + n * 16, acc_k[n], LA, wm::mem_row_major);
+    wm::store_matrix_sync(aV + warp * 16 * LA + n * 16, acc_v[n], LA, wm::mem_row_major);
   }
 }
 __syncthreads();

@@ -1,6 +1,7 @@
 // Chunk attention backward, dQ, on tensor cores (CUDA only; the contract of dq.metal/dq.cu).
 // A block of W warps takes 16 W query rows of one head; per tile of 32 keys: S = Q K^T and
-// dP = dO V^T on tensor cores, dS = P (dP - delta) in float32, dQ += dS K on tensor cores.
+// dP = dO V^T on tensor cores, dS = P (dP - delta) in float32, dQ += dS K on tensor cores (dQ in
+// registers).
 using namespace mlxwalk_tc;
 constexpr int BQ = 16 * W, BK = 32, THREADS = 32 * W;
 constexpr int LD = Pitch<D>::half, LP = Pitch<D>::tile, LS = Pitch<D>::score, LA = Pitch<D>::acc;
@@ -12,7 +13,7 @@ T* sV = sK + BK * LD;                                 // BK x D
 T* sdS = sV + BK * LD;                                // BQ x BK
 float* sS = reinterpret_cast<float*>(sdS + BQ * LP);  // BQ x BK
 float* sdP = sS + BQ * LS;                            // BQ x BK
-float* sA = sdP + BQ * LS;                            // BQ x D dQ accumulator
+float* sA = sdP + BQ * LS;                            // BQ x D dQ, at the end
 
 const int B = params[0], HQ = params[1], HKV = params[2], L = params[3];
 const int N = params[4], START = params[5], BS = params[7];
@@ -31,8 +32,10 @@ stage<T, D>(sQ, LD, BQ, [&](int r, int d) {
 stage<T, D>(sdO, LD, BQ, [&](int r, int d) {
   return q0 + r < L ? static_cast<float>(d_out[(qrows + q0 + r) * D + d]) : 0.0f;
 }, tid, THREADS);
-for (int e = tid; e < BQ * LA; e += THREADS) {
-  sA[e] = 0.0f;
+FragC acc[D / 16];
+#pragma unroll
+for (int n = 0; n < D / 16; ++n) {
+  wm::fill_fragment(acc[n], 0.0f);
 }
 const int row = warp * 16 + lane / 2, half = lane % 2;
 const int i = q0 + row;
@@ -58,9 +61,14 @@ for (int k0 = 0; k0 < kend; k0 += BK) {
     sdS[row * LP + c] = static_cast<T>(p * (sdP[row * LS + c] - delta_i));
   }
   __syncwarp();
-  accumulate<T, BK, D>(sA + warp * 16 * LA, LA, sdS + warp * 16 * LP, LP, sK, LD);
+  accumulate_in<T, BK, D / 16>(acc, sdS + warp * 16 * LP, LP, sK, LD);
   __syncthreads();
 }
+#pragma unroll
+for (int n = 0; n < D / 16; ++n) {
+  wm::store_matrix_sync(sA + warp * 16 * LA + n * 16, acc[n], LA, wm::mem_row_major);
+}
+__syncwarp();
 if (i < L) {
   for (int d = half; d < D; d += 2) {
     dq[(qrows + i) * D + d] = sA[row * LA + d] * sc;

@@ -1,7 +1,7 @@
 // Chunk attention forward on tensor cores (CUDA only; float16/bfloat16 inputs, float32
 // accumulation): the contract of forward.metal/forward.cu. A block of W warps takes 16 W query
 // rows of one head and walks the keys in tiles of 32: S = Q K^T and O += P V on tensor cores, the
-// online softmax in float32 with two lanes per row, O kept in shared memory and rescaled per tile.
+// online softmax in float32 with two lanes per row, O in registers, rescaled per row each tile.
 using namespace mlxwalk_tc;
 constexpr int BQ = 16 * W, BK = 32, THREADS = 32 * W;
 constexpr int LD = Pitch<D>::half, LP = Pitch<D>::tile, LS = Pitch<D>::score, LO = Pitch<D>::acc;
@@ -11,7 +11,8 @@ T* sK = sQ + BQ * LD;                                // BK x D
 T* sV = sK + BK * LD;                                // BK x D
 T* sP = sV + BK * LD;                                // BQ x BK probabilities
 float* sS = reinterpret_cast<float*>(sP + BQ * LP);  // BQ x BK scores
-float* sO = sS + BQ * LS;                            // BQ x D output accumulator
+float* sO = sS + BQ * LS;                            // BQ x D output, at the end
+float* sCorr = sO + BQ * LO;                         // BQ per-row rescaling of O
 
 const int B = params[0], HQ = params[1], HKV = params[2], L = params[3];
 const int N = params[4], START = params[5], BS = params[7];
@@ -27,8 +28,10 @@ const float sc = scale[0];
 stage<T, D>(sQ, LD, BQ, [&](int r, int d) {
   return q0 + r < L ? static_cast<float>(q[(qrows + q0 + r) * D + d]) : 0.0f;
 }, tid, THREADS);
-for (int e = tid; e < BQ * LO; e += THREADS) {
-  sO[e] = 0.0f;
+FragC acc[D / 16];
+#pragma unroll
+for (int n = 0; n < D / 16; ++n) {
+  wm::fill_fragment(acc[n], 0.0f);
 }
 const int row = warp * 16 + lane / 2, half = lane % 2;  // two lanes per row, 16 columns each
 const int i = q0 + row;
@@ -66,13 +69,26 @@ for (int k0 = 0; k0 < kend; k0 += BK) {
   }
   l = l * corr + sum + __shfl_xor_sync(0xffffffffu, sum, 1);
   m = m_new;
-  for (int d = half; d < D; d += 2) {
-    sO[row * LO + d] *= corr;
+  if (half == 0) {
+    sCorr[row] = corr;
   }
   __syncwarp();
-  accumulate<T, BK, D>(sO + warp * 16 * LO, LO, sP + warp * 16 * LP, LP, sV, LD);
+  const float lo = sCorr[warp * 16 + lane / 4], hi = sCorr[warp * 16 + lane / 4 + 8];
+#pragma unroll
+  for (int n = 0; n < D / 16; ++n) {
+#pragma unroll
+    for (int e = 0; e < acc[n].num_elements; ++e) {
+      acc[n].x[e] *= fragment_row(lane, e) < 8 ? lo : hi;
+    }
+  }
+  accumulate_in<T, BK, D / 16>(acc, sP + warp * 16 * LP, LP, sV, LD);
   __syncthreads();  // every warp is done with this tile's K and V
 }
+#pragma unroll
+for (int n = 0; n < D / 16; ++n) {
+  wm::store_matrix_sync(sO + warp * 16 * LO + n * 16, acc[n], LO, wm::mem_row_major);
+}
+__syncwarp();
 if (i < L) {
   for (int d = half; d < D; d += 2) {
     o[(qrows + i) * D + d] = sO[row * LO + d] / l;
