@@ -69,11 +69,51 @@ __device__ inline void accumulate_in(FragC* acc, const T* a, int lda, const T* b
 // relies on it, and the self-check would catch a GPU where it does not hold.
 __device__ inline int fragment_row(int lane, int e) { return lane / 4 + 8 * ((e / 2) % 2); }
 
-// Stage `rows` rows of D elements, src(row, d), into shared memory as T with row pitch `ld`.
-template <typename T, int D, typename F>
-__device__ inline void stage(T* dst, int ld, int rows, F src, int tid, int threads) {
-  for (int e = tid; e < rows * D; e += threads) {
-    dst[(e / D) * ld + e % D] = static_cast<T>(src(e / D, e % D));
+template <typename A, typename B>
+struct same_type {
+  static constexpr bool value = false;
+};
+template <typename A>
+struct same_type<A, A> {
+  static constexpr bool value = true;
+};
+
+// Eight elements, src to shared dst, as T: one 16-byte copy when the types agree, else a vector
+// load and a conversion through float.
+template <typename T, typename X>
+__device__ inline void copy8(T* dst, const X* src) {
+  if constexpr (same_type<T, X>::value) {
+    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+  } else {
+    alignas(16) X buf[8];
+    for (int i = 0; i < int(8 * sizeof(X) / 16); ++i) {
+      reinterpret_cast<uint4*>(buf)[i] = reinterpret_cast<const uint4*>(src)[i];
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      dst[i] = static_cast<T>(static_cast<float>(buf[i]));
+    }
+  }
+}
+
+// Stage `rows` rows of D elements into shared memory as T (row pitch `ld`), eight at a time.
+// row(r, own, store) points one of own (a T row) or store (an S row) at row r's data, or
+// neither for a row of zeros.
+template <typename T, typename S, int D, typename F>
+__device__ inline void stage_rows(T* dst, int ld, int rows, F row, int tid, int threads) {
+  for (int e = tid; e < rows * (D / 8); e += threads) {
+    const int r = e / (D / 8), d = (e % (D / 8)) * 8;
+    const T* own = nullptr;
+    const S* store = nullptr;
+    row(r, own, store);
+    T* out = dst + r * ld + d;
+    if (own != nullptr) {
+      copy8(out, own + d);
+    } else if (store != nullptr) {
+      copy8(out, store + d);
+    } else {
+      *reinterpret_cast<uint4*>(out) = make_uint4(0u, 0u, 0u, 0u);
+    }
   }
 }
 

@@ -25,8 +25,8 @@ const size_t pre = size_t((BS > 1 ? b : 0) * HKV + hk) * N * D;
 const size_t qrows = size_t(b * HQ + h) * L;
 const float sc = scale[0];
 
-stage<T, D>(sQ, LD, BQ, [&](int r, int d) {
-  return q0 + r < L ? static_cast<float>(q[(qrows + q0 + r) * D + d]) : 0.0f;
+stage_rows<T, T, D>(sQ, LD, BQ, [&](int r, const T*& a, const T*&) {
+  a = q0 + r < L ? q + (qrows + q0 + r) * D : nullptr;
 }, tid, THREADS);
 FragC acc[D / 16];
 #pragma unroll
@@ -38,16 +38,19 @@ const int i = q0 + row;
 const int seen = START + min(i, L - 1) + 1;  // keys row i sees
 const int kend = START + min(q0 + BQ, L);
 float m = MLXWALK_NEG_INF, l = 0.0f;
-__syncthreads();
 for (int k0 = 0; k0 < kend; k0 += BK) {
-  auto key = [&](const T* own_rows, const S* store, int r, int d) {
-    const int j = k0 + r;
-    if (j < START) return static_cast<float>(store[pre + size_t(j) * D + d]);
-    if (j < START + L) return static_cast<float>(own_rows[own + size_t(j - START) * D + d]);
-    return 0.0f;
+  auto keys = [&](const T* own_rows, const S* store) {
+    return [=](int r, const T*& a, const S*& s) {
+      const int j = k0 + r;
+      if (j < START) {
+        s = store + pre + size_t(j) * D;
+      } else if (j < START + L) {
+        a = own_rows + own + size_t(j - START) * D;
+      }
+    };
   };
-  stage<T, D>(sK, LD, BK, [&](int r, int d) { return key(k, pk, r, d); }, tid, THREADS);
-  stage<T, D>(sV, LD, BK, [&](int r, int d) { return key(v, pv, r, d); }, tid, THREADS);
+  stage_rows<T, S, D>(sK, LD, BK, keys(k, pk), tid, THREADS);
+  stage_rows<T, S, D>(sV, LD, BK, keys(v, pv), tid, THREADS);
   __syncthreads();
   rows_by_rows<T, D, BK / 16>(sS + warp * 16 * LS, LS, sQ + warp * 16 * LD, LD, sK, LD);
   __syncwarp();
