@@ -55,28 +55,31 @@ def tensor_cores(q: mx.array, backend: str | None) -> bool:
     return backend == "cuda" and q.dtype in (mx.float16, mx.bfloat16)
 
 
-def _warps(dim: int) -> int:
-    return 2 if dim > 128 else 4  # a block's warps: shared memory stays under 227 KiB
+def _warps(kind: str, dim: int) -> int:
+    """A tensor-core block's warps: 4, or 2 where shared memory would allow one block per SM."""
+    return 2 if dim > 128 and kind != "forward" else 4
 
 
-def _tc_grid(rows: int, dim: int) -> dict:
-    """Blocks of 16 rows per warp (the tensor-core kernels)."""
-    w = _warps(dim)
-    blocks = -(-rows // (16 * w))
-    return {"grid": (blocks * 32 * w, 1, 1), "threadgroup": (32 * w, 1, 1)}
+def _tc(kind: str, rows: int, dim: int, itemsize: int, heads: int) -> dict:
+    """Grid, block, W and shared memory of a tensor-core kernel over `rows` rows per head."""
+    w = _warps(kind, dim)
+    blocks = -(-rows // (16 * w)) * heads
+    return {"grid": (blocks * 32 * w, 1, 1), "threadgroup": (32 * w, 1, 1),
+            "shared_memory": _tc_shared(kind, dim, itemsize), "w": w}  # fmt: skip
 
 
 def _tc_shared(kind: str, dim: int, itemsize: int) -> int:
-    """Bytes of shared memory each tensor-core kernel carves (see its source and Pitch in
-    common_tc.cuh: rows padded by 8 elements of T or 4 floats)."""
-    r, k = 16 * _warps(dim), BK
+    """Bytes of shared memory a tensor-core kernel carves (see its source and Pitch in
+    common_tc.cuh: rows padded by 8 elements of T or 4 floats; the output tile of the forward
+    and dq reuses the space at the end)."""
+    r, k = 16 * _warps(kind, dim), BK
     ld, lp, ls, la = dim + 8, k + 8, k + 4, dim + 4
-    halves, floats = {
-        "forward": (r * ld + 2 * k * ld + r * lp, r * ls + r * la + r),
-        "dq": (2 * r * ld + 2 * k * ld + r * lp, 2 * r * ls + r * la),
-        "dkdv": (2 * r * ld + 2 * k * ld + 2 * r * lp, 2 * r * ls + 2 * r * la + 2 * k),
+    halves, floats, final = {
+        "forward": (r * ld + 2 * k * ld + r * lp, r * ls + r, r * la),
+        "dq": (2 * r * ld + 2 * k * ld + r * lp, 2 * r * ls, r * la),
+        "dkdv": (2 * r * ld + 2 * k * ld + 2 * r * lp, 2 * r * ls + 2 * k, 0),
     }[kind]
-    return halves * itemsize + floats * 4
+    return max(halves * itemsize + floats * 4, final * 4)
 
 
 def _common(q, k, v, pk, pv, start, grad_from, scale):
@@ -101,32 +104,31 @@ def forward_launch(q, k, v, pk, pv, start: int, scale: float, tc: bool = False) 
     b, hq, n, dim = q.shape
     shapes, dtypes = [q.shape, (b, hq, n)], [mx.float32] * 2
     if tc:
-        grid = _tc_grid(n, dim)
-        grid["grid"] = (grid["grid"][0] * b * hq, 1, 1)
-        return Launch(FORWARD_TC, inputs + extra, shapes, dtypes, **grid,
-                      template=template[:3] + [("W", _warps(dim))],
-                      shared_memory=_tc_shared("forward", dim, q.dtype.size))  # fmt: skip
+        g = _tc("forward", n, dim, q.dtype.size, b * hq)
+        return Launch(FORWARD_TC, inputs + extra, shapes, dtypes, g["grid"], g["threadgroup"],
+                      template[:3] + [("W", g["w"])], g["shared_memory"])  # fmt: skip
     return Launch(FORWARD, inputs + extra, shapes, dtypes, template=template, **_grid(b * hq * n))
 
 
 def backward_launches(q, k, v, pk, pv, start, grad_from, scale, lse, delta, d_out, tc=False):
-    """(dq's launch, dkdv's launch); dkdv's rows are the taps [grad_from, start) then the own."""
+    """(dq's launch, dkdv's launch); dkdv's rows are the taps [grad_from, start) then the own
+    (the tensor-core kernel's padded to whole blocks)."""
     inputs, extra, template, taps = _common(q, k, v, pk, pv, start, grad_from, scale)
     inputs = inputs + [d_out, lse, delta] + extra
     b, hq, n, dim = q.shape
     hkv = k.shape[1]
-    rows = (b, hkv, taps + n, dim)
     if tc:
-        tct = template[:3] + [("W", _warps(dim))]
-        g_dq, g_kv = _tc_grid(n, dim), _tc_grid(taps + n, dim)
-        g_dq["grid"] = (g_dq["grid"][0] * b * hq, 1, 1)
-        g_kv["grid"] = (g_kv["grid"][0] * b * hkv, 1, 1)
-        size = q.dtype.size
-        dq = Launch(DQ_TC, inputs, [q.shape], [mx.float32], **g_dq, template=tct,
-                    shared_memory=_tc_shared("dq", dim, size))  # fmt: skip
-        dkdv = Launch(DKDV_TC, inputs, [rows, rows], [mx.float32] * 2, **g_kv, template=tct,
-                      shared_memory=_tc_shared("dkdv", dim, size))  # fmt: skip
+        g = _tc("dq", n, dim, q.dtype.size, b * hq)
+        dq = Launch(DQ_TC, inputs, [q.shape], [mx.float32], g["grid"], g["threadgroup"],
+                    template[:3] + [("W", g["w"])], g["shared_memory"])  # fmt: skip
+        g = _tc("dkdv", taps + n, dim, q.dtype.size, b * hkv)
+        padded = -(-(taps + n) // (16 * g["w"])) * 16 * g["w"]
+        rows = (b, hkv, padded, dim)
+        tct = template[:3] + [("W", g["w"])]
+        dkdv = Launch(DKDV_TC, inputs, [rows, rows], [mx.float32] * 2, g["grid"],
+                      g["threadgroup"], tct, g["shared_memory"])  # fmt: skip
         return dq, dkdv
+    rows = (b, hkv, taps + n, dim)
     dq = Launch(DQ, inputs, [q.shape], [mx.float32], template=template, **_grid(b * hq * n))
     dkdv = Launch(DKDV, inputs, [rows, rows], [mx.float32] * 2, template=template,
                   **_grid(b * hkv * (taps + n)))  # fmt: skip
@@ -143,4 +145,6 @@ def backward(q, k, v, pk, pv, start, grad_from, scale, o, lse, d_out, run=launch
     """(dq, dk, dv) in float32; dk and dv (B, HKV, start - grad_from + L, D), taps first."""
     delta = (d_out.astype(mx.float32) * o.astype(mx.float32)).sum(axis=-1)  # (B, HQ, L)
     calls = backward_launches(q, k, v, pk, pv, start, grad_from, scale, lse, delta, d_out, tc)
-    return (*run(calls[0]), *run(calls[1]))
+    rows = (start - grad_from if pk is not None else 0) + q.shape[2]  # past them: padding
+    dk, dv = run(calls[1])
+    return run(calls[0])[0], dk[:, :, :rows], dv[:, :, :rows]

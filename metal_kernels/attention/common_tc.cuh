@@ -15,36 +15,25 @@ using FragC = wm::fragment<wm::accumulator, 16, 16, 16, float>;
 // out (16 x 16 NT, float, ld ldo) = a (16 x K, ld lda) . b^T, b being 16 NT rows of K (ld ldb).
 template <typename T, int K, int NT>
 __device__ inline void rows_by_rows(float* out, int ldo, const T* a, int lda, const T* b, int ldb) {
-  for (int n = 0; n < NT; ++n) {
-    FragC c;
-    wm::fill_fragment(c, 0.0f);
-#pragma unroll 4
-    for (int kk = 0; kk < K; kk += 16) {
-      FragA<T> fa;
-      FragBt<T> fb;
-      wm::load_matrix_sync(fa, a + kk, lda);
-      wm::load_matrix_sync(fb, b + n * 16 * ldb + kk, ldb);
-      wm::mma_sync(c, fa, fb, c);
-    }
-    wm::store_matrix_sync(out + n * 16, c, ldo, wm::mem_row_major);
-  }
-}
-
-// acc (16 x N, float, ld ldc) += a (16 x K, ld lda) . b (K x N, ld ldb).
-template <typename T, int K, int N>
-__device__ inline void accumulate(float* acc, int ldc, const T* a, int lda, const T* b, int ldb) {
-  for (int n = 0; n < N; n += 16) {
-    FragC c;
-    wm::load_matrix_sync(c, acc + n, ldc, wm::mem_row_major);
+  FragC c[NT];
 #pragma unroll
-    for (int kk = 0; kk < K; kk += 16) {
-      FragA<T> fa;
-      FragB<T> fb;
-      wm::load_matrix_sync(fa, a + kk, lda);
-      wm::load_matrix_sync(fb, b + kk * ldb + n, ldb);
-      wm::mma_sync(c, fa, fb, c);
+  for (int n = 0; n < NT; ++n) {
+    wm::fill_fragment(c[n], 0.0f);
+  }
+#pragma unroll 4
+  for (int kk = 0; kk < K; kk += 16) {
+    FragA<T> fa;
+    wm::load_matrix_sync(fa, a + kk, lda);
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      FragBt<T> fb;
+      wm::load_matrix_sync(fb, b + n * 16 * ldb + kk, ldb);
+      wm::mma_sync(c[n], fa, fb, c[n]);
     }
-    wm::store_matrix_sync(acc + n, c, ldc, wm::mem_row_major);
+  }
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+    wm::store_matrix_sync(out + n * 16, c[n], ldo, wm::mem_row_major);
   }
 }
 

@@ -2,11 +2,12 @@
 // cores (CUDA only; the contract of dkdv.metal/dkdv.cu, no atomics). A block of W warps owns 16 W
 // key rows of one K/V head and walks every grouped query head's queries in tiles of 32:
 // S^T = K Q^T and dP^T = V dO^T on tensor cores, P and dS in float32, dV += P^T dO and
-// dK += dS^T Q on tensor cores. The accumulators stay in registers: above head dim 128 the walk
-// runs once per 128 columns of dK/dV, recomputing the scores (2 D / 16 fragments would not fit).
+// dK += dS^T Q on tensor cores. The accumulators stay in registers (above head dim 128 the walk
+// runs once per 128 columns of dK/dV, recomputing the scores: 2 D / 16 fragments would not fit)
+// and go straight to dk and dv, whose rows are padded to whole blocks (PADDED).
 using namespace mlxwalk_tc;
 constexpr int BR = 16 * W, BQ = 32, THREADS = 32 * W;
-constexpr int LD = Pitch<D>::half, LP = Pitch<D>::tile, LS = Pitch<D>::score, LA = Pitch<D>::acc;
+constexpr int LD = Pitch<D>::half, LP = Pitch<D>::tile, LS = Pitch<D>::score;
 constexpr int DA = D < 128 ? D : 128, NF = DA / 16;  // columns of dK/dV per walk
 extern __shared__ __align__(32) unsigned char smem[];
 T* sK = reinterpret_cast<T*>(smem);                   // BR x D
@@ -17,16 +18,14 @@ T* sP = sdO + BQ * LD;                                // BR x BQ
 T* sdS = sP + BR * LP;                                // BR x BQ
 float* sS = reinterpret_cast<float*>(sdS + BR * LP);  // BR x BQ
 float* sdP = sS + BR * LS;                            // BR x BQ
-float* aK = sdP + BR * LS;                            // BR x D, at the end
-float* aV = aK + BR * LA;                             // BR x D, at the end
-float* sL = aV + BR * LA;                             // BQ log-sum-exps
+float* sL = sdP + BR * LS;                            // BQ log-sum-exps
 float* sDelta = sL + BQ;                              // BQ deltas
 
 const int B = params[0], HQ = params[1], HKV = params[2], L = params[3];
 const int N = params[4], START = params[5], GF = params[6], BS = params[7];
 const int NT = START - GF, R = HQ / HKV, ROWS_ALL = NT + L;
 const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-const int blocks = (ROWS_ALL + BR - 1) / BR;
+const int blocks = (ROWS_ALL + BR - 1) / BR, PADDED = blocks * BR;
 const int c0 = (blockIdx.x % blocks) * BR, hk = (blockIdx.x / blocks) % HKV;
 const int b = blockIdx.x / (blocks * HKV);
 const size_t own = size_t(b * HKV + hk) * L * D;
@@ -86,19 +85,13 @@ for (int part = 0; part < D / DA; ++part) {
       accumulate_in<T, BQ, NF>(acc_k, sdS + warp * 16 * LP, LP, sQ + part * DA, LD);
     }
   }
+  const size_t at = (size_t(b * HKV + hk) * PADDED + c0 + warp * 16) * D + part * DA;
 #pragma unroll
   for (int n = 0; n < NF; ++n) {
-    const int at = warp * 16 * LA + part * DA + n * 16;
-    wm::store_matrix_sync(aK + at, acc_k[n], LA, wm::mem_row_major);
-    wm::store_matrix_sync(aV + at, acc_v[n], LA, wm::mem_row_major);
-  }
-}
-__syncthreads();
-for (int e = tid; e < BR * D; e += THREADS) {
-  const int r = e / D;
-  if (c0 + r < ROWS_ALL) {
-    const size_t at = (size_t(b * HKV + hk) * ROWS_ALL + c0 + r) * D + e % D;
-    dk[at] = aK[r * LA + e % D] * sc;
-    dv[at] = aV[r * LA + e % D];
+    for (int e = 0; e < acc_k[n].num_elements; ++e) {
+      acc_k[n].x[e] *= sc;
+    }
+    wm::store_matrix_sync(dk + at + n * 16, acc_k[n], D, wm::mem_row_major);
+    wm::store_matrix_sync(dv + at + n * 16, acc_v[n], D, wm::mem_row_major);
   }
 }

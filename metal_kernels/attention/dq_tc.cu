@@ -13,7 +13,7 @@ T* sV = sK + BK * LD;                                 // BK x D
 T* sdS = sV + BK * LD;                                // BQ x BK
 float* sS = reinterpret_cast<float*>(sdS + BQ * LP);  // BQ x BK
 float* sdP = sS + BQ * LS;                            // BQ x BK
-float* sA = sdP + BQ * LS;                            // BQ x D dQ, at the end
+float* sA = reinterpret_cast<float*>(smem);           // BQ x D dQ, over the rest at the end
 
 const int B = params[0], HQ = params[1], HKV = params[2], L = params[3];
 const int N = params[4], START = params[5], BS = params[7];

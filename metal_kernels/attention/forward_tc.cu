@@ -11,8 +11,8 @@ T* sK = sQ + BQ * LD;                                // BK x D
 T* sV = sK + BK * LD;                                // BK x D
 T* sP = sV + BK * LD;                                // BQ x BK probabilities
 float* sS = reinterpret_cast<float*>(sP + BQ * LP);  // BQ x BK scores
-float* sO = sS + BQ * LS;                            // BQ x D output, at the end
-float* sCorr = sO + BQ * LO;                         // BQ per-row rescaling of O
+float* sCorr = sS + BQ * LS;                         // BQ per-row rescaling of O
+float* sO = reinterpret_cast<float*>(smem);          // BQ x D output, over the rest at the end
 
 const int B = params[0], HQ = params[1], HKV = params[2], L = params[3];
 const int N = params[4], START = params[5], BS = params[7];
