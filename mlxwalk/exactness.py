@@ -240,5 +240,16 @@ def run(models: list[tuple[str, str]], as_json: bool = False, echo=print) -> boo
     if as_json:
         echo(json.dumps({"ok": ok, "rows": [asdict(r) for r in rows]}, indent=2))
     else:
+        echo(kernels_line())
         echo("test-walk-exact: " + ("every row OK" if ok else "FAILED"))
     return ok
+
+
+def kernels_line() -> str:
+    """Which attention kernels the chunk attention ran (the cases routed to a kernel)."""
+    from .ops import routing
+
+    ran = [str(case) for case, ok in routing.verdicts().items() if ok]
+    off = [str(case) for case, ok in routing.verdicts().items() if not ok]
+    line = "attention kernels: " + ("; ".join(ran) if ran else f"none ({routing.why_none()})")
+    return line + (f"; ops path after a failed self-check: {'; '.join(off)}" if off else "")

@@ -28,7 +28,7 @@ MODES = ("auto", "off", "check")
 TOLERANCE = {mx.float32: 1e-3, mx.float16: 2e-2, mx.bfloat16: 4e-2}
 # Where the CUDA kernel is routed in `auto` (measured in scripts/bench-attention.py, see
 # docs/BENCHMARKS.md); elsewhere on CUDA mlx-lm's own attention (cuDNN or unfused) runs.
-CUDA_HEAD_DIMS: tuple[int, ...] = (256,)
+CUDA_HEAD_DIMS: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,18 @@ def use_kernel(
     if case not in _verdicts:
         _verdicts[case] = self_check(case, check)
     return _verdicts[case]
+
+
+def verdicts() -> dict[Case, bool]:
+    """The self-check's verdict per case met so far."""
+    return dict(_verdicts)
+
+
+def why_none() -> str:
+    if mode() == "off":
+        return "MLXWALK_KERNELS=off"
+    b = backend()
+    return "no GPU backend: the ops twin runs" if b is None else f"none routed on {b}"
 
 
 def report(kernel: str, case: Case, what: str) -> None:
