@@ -21,6 +21,7 @@ def on_harness(monkeypatch):
     monkeypatch.setattr(routing, "backend", lambda: "metal")
     monkeypatch.setattr(routing, "launch", harness.launch)
     monkeypatch.setattr(routing, "_verdicts", {})
+    monkeypatch.setattr(routing, "RACE", None)  # the harness is no GPU: no first-use race
     monkeypatch.delenv("MLXWALK_KERNELS", raising=False)
 
 
@@ -122,6 +123,19 @@ def test_check_mode_compares_and_returns_the_twin(on_harness, monkeypatch, capsy
     assert path(q, k, None) == "twin"
 
 
+def test_on_metal_a_kernel_slower_than_the_twin_is_not_used(on_harness, monkeypatch, capsys):
+    """The first-use race on Metal: the harness (threads on a CPU) loses to the twin."""
+    monkeypatch.setattr(routing, "RACE", (32, 64))
+    q, k = mx.zeros((1, 2, 8, 64)), mx.zeros((1, 2, 8, 64))
+    assert path(q, k, None) == "twin"
+    err = capsys.readouterr().err
+    assert err.startswith("mlxwalk: kernel attention took ") and err.count("\n") == 1
+    assert "ms on metal float32 head dim 64 GQA 1 (32 queries over 64 keys" in err
+    monkeypatch.setattr(check, "race", lambda case, size: (1.0, 2.0))
+    monkeypatch.setattr(routing, "_verdicts", {})
+    assert path(q, k, None) == "kernel"  # a kernel that wins is kept
+
+
 def test_routing(monkeypatch):
     q, k = mx.zeros((1, 4, 8, 64)), mx.zeros((1, 2, 8, 64))
     assert path(q, k, None) == "twin"  # the CPU: no GPU backend
@@ -173,3 +187,35 @@ def test_the_wheel_carries_the_kernel_sources(tmp_path):
         assert f"metal_kernels/attention/{name}" in names
     assert "metal_kernels/harness/metal.h" in names
     assert "metal_kernels/build.py" in names
+
+
+@pytest.mark.parametrize(
+    "stem, old, new, broken",  # broken: the output the mutation must show in
+    [
+        ("attention/dq", "- delta_i)", ")", "dq"),  # dS without the rowsum term
+        ("attention/forward", "nk = START + i + 1", "nk = START + L", "out"),  # not causal
+        ("attention/dkdv", "first = c - NT;", "first = 0;", "dk"),  # causality lost in dK/dV
+    ],
+)
+def test_the_harness_catches_a_broken_kernel(on_harness, monkeypatch, stem, old, new, broken):
+    """The comparisons can fail: each mutation of a Metal body shows as a large error."""
+    from metal_kernels import build
+
+    original = build.source
+
+    def mutated(spec, backend):
+        header, body = original(spec, backend)
+        if spec.stem == stem:
+            assert old in body or old in header
+            body = body.replace(old, new)
+        return header, body
+
+    monkeypatch.setattr(build, "source", mutated)
+    build.kernel.cache_clear()
+    try:
+        case = routing.Case("metal", mx.float32, 64, 2)
+        errors = check.errors(case, check.Sizes(chunk=40, start=70, grad_from=25))
+    finally:
+        monkeypatch.undo()
+        build.kernel.cache_clear()
+    assert errors[broken][0] > 1e-2, errors

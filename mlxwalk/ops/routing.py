@@ -5,6 +5,11 @@ off keeps every op on its pure-MLX twin; check runs both on every call, returns 
 result and reports a disagreement. The self-check runs once per (backend, dtype, head dim,
 grouped-query ratio): a small case through the kernel and the twin; a compile error or a
 mismatch prints one line naming the kernel and the case, and that case stays on the ops path.
+
+On CUDA, where the kernels are measured (docs/BENCHMARKS.md), `auto` follows that table. On
+Metal, where nothing could be measured while the kernels were written, the first use also races
+kernel and twin on a mid-sized case on the user's GPU and keeps the faster, saying so when it
+is the twin.
 """
 
 from __future__ import annotations
@@ -26,8 +31,11 @@ MODES = ("auto", "off", "check")
 # matmuls in the twin on CUDA, half precision for its rounded inputs and outputs. A wrong
 # kernel is off by order one.
 TOLERANCE = {mx.float32: 1e-3, mx.float16: 2e-2, mx.bfloat16: 4e-2}
-# Where the CUDA kernel is routed in `auto` (measured in scripts/bench-attention.py, see
-# docs/BENCHMARKS.md); elsewhere on CUDA mlx-lm's own attention (cuDNN or unfused) runs.
+# The head dims at which `auto` routes to the CUDA kernel. None: on the H200 it loses to MLX's own
+# path at every head dim (scripts/bench-attention.py, docs/BENCHMARKS.md: 4-8x cuDNN's time at
+# 64 and 128, 3.5-6x the unfused path's at 256), so `auto` keeps mlx-lm's attention there; the
+# kernel runs when the walk asks for the prefix read in place (attention "tiled"), where its
+# memory stays flat.
 CUDA_HEAD_DIMS: tuple[int, ...] = ()
 
 
@@ -44,6 +52,8 @@ class Case:
 
 
 Checker = Callable[[Case], dict[str, float]]  # relative errors by kernel, kernel vs twin
+Racer = Callable[[Case, tuple[int, int]], tuple[float, float]]  # seconds: kernel, twin
+RACE: tuple[int, int] | None = (1024, 4096)  # (queries, prefix) of the first-use race on Metal
 # Injected so the CPU tests can run the Metal kernels through the harness.
 launch = build.launch
 backend = build.current_backend
@@ -63,11 +73,17 @@ def case_of(q: mx.array, k: mx.array) -> Case | None:
 
 
 def use_kernel(
-    q: mx.array, k: mx.array, store_dtype: mx.Dtype | None, auto: bool, check: Checker
+    q: mx.array,
+    k: mx.array,
+    store_dtype: mx.Dtype | None,
+    auto: bool,
+    check: Checker,
+    race: Racer,
 ) -> bool:
     """Whether this call runs the attention kernels; `auto`: the walk left the path to us (on
     CUDA the kernel then runs only at the head dims where it was measured to win). `check`
-    compares the kernels with their twin on a small case (the self-check, once per case)."""
+    compares the kernels with their twin on a small case (the self-check, once per case);
+    `race` times both (on Metal, once per case)."""
     case = case_of(q, k)
     if mode() == "off" or case is None:
         return False
@@ -76,8 +92,22 @@ def use_kernel(
     if auto and case.backend == "cuda" and case.dim not in CUDA_HEAD_DIMS:
         return False
     if case not in _verdicts:
-        _verdicts[case] = self_check(case, check)
+        ok = self_check(case, check)
+        if ok and case.backend == "metal" and RACE is not None:
+            ok = won_race(case, race)
+        _verdicts[case] = ok
     return _verdicts[case]
+
+
+def won_race(case: Case, race: Racer) -> bool:
+    kernel_s, twin_s = race(case, RACE)
+    if kernel_s <= twin_s:
+        return True
+    queries, prefix = RACE
+    print(f"mlxwalk: kernel attention took {kernel_s * 1e3:.0f} ms against the ops twin's "
+          f"{twin_s * 1e3:.0f} ms on {case} ({queries} queries over {prefix} keys, forward and "
+          "backward); using the ops path", file=sys.stderr)  # fmt: skip
+    return False
 
 
 def verdicts() -> dict[Case, bool]:

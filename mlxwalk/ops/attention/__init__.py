@@ -39,7 +39,10 @@ PATHS = {
 def path(q: mx.array, k: mx.array, prefix: Prefix | None, auto: bool = False) -> str:
     """Which implementation runs: the kernels where they apply and passed the self-check."""
     arrays = prefix.in_place() if prefix is not None else (k, k)
-    if arrays is None or not routing.use_kernel(q, k, arrays[0].dtype, auto, check.kernel_vs_twin):
+    usable = arrays is not None and routing.use_kernel(
+        q, k, arrays[0].dtype, auto, check.kernel_vs_twin, check.race
+    )
+    if not usable:
         return "twin"
     return "check" if routing.mode() == "check" else "kernel"
 

@@ -3,6 +3,7 @@ and the cases the tests and the device check compare (errors against a float32 r
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -64,9 +65,8 @@ class Sizes:
 OUTPUTS = ("out", "dq", "dk", "dv", "dtap_k", "dtap_v")
 
 
-def run(case: routing.Case, sizes: Sizes, store: mx.Dtype, path: str, up: bool = False) -> dict:
-    """Every output of one chunk's attention and its VJP through `path` ("kernel" or "twin");
-    `up`: on the float32 copies of the same inputs (the reference)."""
+def inputs(case: routing.Case, sizes: Sizes, store: mx.Dtype, up: bool = False) -> dict:
+    """One chunk's attention inputs, seeded; `up`: their float32 copies (the reference's)."""
     rng = np.random.default_rng(0)
     hkv, n, start = sizes.kv_heads, sizes.chunk, sizes.start
     dtype = mx.float32 if up else case.dtype
@@ -79,11 +79,21 @@ def run(case: routing.Case, sizes: Sizes, store: mx.Dtype, path: str, up: bool =
     k, v, d_out = normal(1, hkv, n, case.dim), normal(1, hkv, n, case.dim), normal(*q.shape)
     keys, values = normal(1, hkv, start + n, case.dim), normal(1, hkv, start + n, case.dim)
     prefix = Prefix(Store(keys, values, mx.float32 if up else store), 0, start, dtype)
-    scale = case.dim**-0.5
+    return {"q": q, "k": k, "v": v, "prefix": prefix, "grad_from": sizes.grad_from,
+            "scale": case.dim**-0.5, "d_out": d_out}  # fmt: skip
+
+
+def through(path: str, x: dict) -> dict:
+    """Every output of the attention and its VJP through `path` ("kernel" or "twin")."""
     impl = kernel if path == "kernel" else twin
-    out, lse = impl.forward(q, k, v, prefix, sizes.grad_from, scale, twin.TILE)
-    grads = impl.backward(q, k, v, prefix, sizes.grad_from, scale, twin.TILE, out, lse, d_out)
+    args = (x["q"], x["k"], x["v"], x["prefix"], x["grad_from"], x["scale"], twin.TILE)
+    out, lse = impl.forward(*args)
+    grads = impl.backward(*args, out, lse, x["d_out"])
     return dict(zip(OUTPUTS, [out, *grads]))
+
+
+def run(case: routing.Case, sizes: Sizes, store: mx.Dtype, path: str, up: bool = False) -> dict:
+    return through(path, inputs(case, sizes, store, up))
 
 
 def errors(case: routing.Case, sizes: Sizes = Sizes(), store: mx.Dtype | None = None) -> dict:
@@ -106,3 +116,20 @@ def kernel_vs_twin(case: routing.Case) -> dict[str, float]:
         "attention/dq": e["dq"],
         "attention/dkdv": max(e["dk"], e["dv"], e["dtap_k"], e["dtap_v"]),
     }
+
+
+def race(case: routing.Case, size: tuple[int, int]) -> tuple[float, float]:
+    """Seconds for one chunk's attention forward and backward, kernel then twin (the median of
+    three after a warm-up): `size[0]` queries over a prefix of `size[1]`, every key tapped."""
+    x = inputs(case, Sizes(chunk=size[0], start=size[1], grad_from=0), case.dtype)
+    mx.eval(x["q"], x["k"], x["v"], x["d_out"], x["prefix"].store.keys, x["prefix"].store.values)
+    seconds = []
+    for path in ("kernel", "twin"):
+        mx.eval(list(through(path, x).values()))  # warm-up: compiles, allocates
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            mx.eval(list(through(path, x).values()))
+            times.append(time.perf_counter() - t)
+        seconds.append(sorted(times)[1])
+    return seconds[0], seconds[1]
