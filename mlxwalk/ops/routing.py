@@ -32,8 +32,8 @@ MODES = ("auto", "off", "check")
 # kernel is off by order one.
 TOLERANCE = {mx.float32: 1e-3, mx.float16: 2e-2, mx.bfloat16: 4e-2}
 # The head dims at which `auto` routes to the CUDA kernel. None: on the H200 it loses to MLX's own
-# path at every head dim (scripts/bench-attention.py, docs/BENCHMARKS.md: 4-8x cuDNN's time at
-# 64 and 128, 3.5-6x the unfused path's at 256), so `auto` keeps mlx-lm's attention there; the
+# path at every head dim (scripts/bench-attention.py, docs/BENCHMARKS.md: 4-9x cuDNN's time at
+# 64 and 128, 3.5-7x the unfused path's at 256), so `auto` keeps mlx-lm's attention there; the
 # kernel runs when the walk asks for the prefix read in place (attention "tiled"), where its
 # memory stays flat.
 CUDA_HEAD_DIMS: tuple[int, ...] = ()
