@@ -34,6 +34,8 @@ def render(call: Launch, name: str, header: bool = True) -> str:
     for key, value in call.template:
         if isinstance(value, mx.Dtype):
             consts.append(f"  using {key} = {_TYPES[value]};")
+        elif isinstance(value, bool):
+            consts.append(f"  constexpr bool {key} = {'true' if value else 'false'};")
         else:
             consts.append(f"  constexpr int {key} = {int(value)};")
     return (

@@ -4,9 +4,13 @@ then the exact walk against one graph on the bundled hybrid. One process, side b
 
     scripts/bench-delta.py [--lengths 512 1024 2048] [--key-heads 16 --value-heads 32 --dim 128]
     scripts/bench-delta.py --chunks 64 128 256 [--lengths 2048]   the op's chunk size only
+    scripts/bench-delta.py --kernels [--lengths 4096 16384] [--chunks 64 256]
+        the op on the scan kernels against the ops twin (and MLX's gated_delta_update, which
+        falls back to ops on CUDA, up to --fast-max positions), on this machine's GPU
 """
 
 import argparse
+import os
 import platform
 import sys
 import time
@@ -78,6 +82,34 @@ def chunk_sizes(a) -> int:
     return 0
 
 
+def mlx_fast(q, k, v, log_g, beta, s):
+    return mx.fast.gated_delta_update(q, k, v, mx.exp(log_g), beta, initial_state=s)
+
+
+def kernels(a) -> int:
+    """The chunked op with its recurrence on the scan kernels against the ops twin, one process."""
+    print(f"mlx {mx.__version__} on {mx.default_device()}, {platform.node()}; gated delta "
+          f"layer {a.key_heads}/{a.value_heads} heads, dim {a.dim}, float32, fwd+bwd")  # fmt: skip
+    print("| T | chunk | path | seconds | peak MiB |\n|---:|---:|---|---:|---:|")
+    for t in a.lengths:
+        xs = layer_inputs(t, a.key_heads, a.value_heads, a.dim)
+        for c in a.chunks or [64, 256]:
+            delta.CHUNK = c
+            for path, mode in (("ops twin", "off"), ("scan kernels", "auto")):
+                os.environ["MLXWALK_KERNELS"] = mode
+                if mode == "auto" and not delta.use_kernel(a.dim, min(c, t)):
+                    print(f"| {t} | {c} | {path} | no kernel here | |", flush=True)
+                    continue
+                s, m = fwd_bwd(gated_delta, xs, max(2, a.repeats))
+                print(f"| {t} | {c} | {path} | {s:.3f} | {m:,.0f} |", flush=True)
+        if t <= a.fast_max:
+            s, m = fwd_bwd(mlx_fast, xs, max(2, a.repeats))
+            print(f"| {t} | - | mx.fast.gated_delta_update | {s:.3f} | {m:,.0f} |", flush=True)
+        del xs
+        mx.clear_cache()
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048])
@@ -87,7 +119,11 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--walk-window", type=int, default=2048)
     p.add_argument("--chunks", type=int, nargs="+", help="time the op at these chunk sizes only")
+    p.add_argument("--kernels", action="store_true", help="the scan kernels against the ops")
+    p.add_argument("--fast-max", type=int, default=4096, help="MLX's op up to this T")
     a = p.parse_args()
+    if a.kernels:
+        return kernels(a)
     if a.chunks:
         return chunk_sizes(a)
     print(

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import mlx.core as mx  # noqa: E402
 
 from metal_kernels import build, harness  # noqa: E402
-from mlxwalk.ops import routing  # noqa: E402
+from mlxwalk.ops import delta, routing  # noqa: E402
 from mlxwalk.ops.attention import check  # noqa: E402
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -43,6 +43,21 @@ def cases(small: bool):
 def bar(dtype: str, twin_error: float) -> float:
     """The bar every output's kernel error must stay under; `twin_error`: the twin's worst."""
     return 1e-5 if dtype == "float32" else 1.5 * twin_error + 1e-6
+
+
+def check_delta(backend: str, small: bool) -> int:
+    """The delta rule's scans against the ops recurrence (float32, bar 1e-5): failures."""
+    n, dv = (3, 32) if small else (6, 128)
+    print(f"\n# delta-rule scans vs the ops recurrence: {n} chunks, value dim {dv}, two heads")
+    print("| key dim | chunk | scan error | reverse scan error | ok |\n|---:|---:|---:|---:|---|")
+    failed = 0
+    for dk, c in ((64, 64), (128, 64), (128, 256)) if not small else ((64, 16), (128, 40)):
+        e = delta.kernel_vs_twin(routing.Case(backend, mx.float32, dk, c, op="delta"), n, dv)
+        ok = max(e.values()) <= 1e-5
+        failed += not ok
+        print(f"| {dk} | {c} | {e['delta/scan']:.2e} | {e['delta/scan_back']:.2e} | "
+              f"{'OK' if ok else 'FAIL'} |", flush=True)  # fmt: skip
+    return failed
 
 
 def main() -> int:
@@ -75,6 +90,7 @@ def main() -> int:
         verdict = "OK" if ok else "FAIL: " + ", ".join(bad)
         print(f"| {dim} | {g} | {name} | {store} | {kernel_error:.2e} | {worst} | "
               f"{twin_error:.2e} | {verdict} |", flush=True)  # fmt: skip
+    failed += check_delta(backend, a.small)
     print(f"{'all OK' if not failed else f'{failed} FAILED'}")
     return 1 if failed else 0
 

@@ -185,6 +185,10 @@ def test_the_wheel_carries_the_kernel_sources(tmp_path):
             assert f"metal_kernels/attention/{kernel}{suffix}" in names
     for name in ("common.metal", "common.cuh"):
         assert f"metal_kernels/attention/{name}" in names
+        assert f"metal_kernels/delta/{name}" in names
+    for scan in ("scan", "scan_back"):
+        for suffix in (".metal", ".cu"):
+            assert f"metal_kernels/delta/{scan}{suffix}" in names
     assert "metal_kernels/harness/metal.h" in names
     assert "metal_kernels/build.py" in names
 

@@ -14,6 +14,10 @@ carry S. The custom VJP recomputes the forward and differentiates it (activation
 the op), so between forward and backward nothing but the inputs is held; the triangular inverse
 has its own VJP (dA = -T^T dT T^T) so its substitution is never differentiated step by step.
 
+The sequential part runs as two kernels where a GPU takes them (metal_kernels/delta: the scan
+and the reverse scan, one launch each instead of several per chunk), checked at first use against
+the ops recurrence here, which stays the reference, the fallback and the CPU path.
+
 Inputs follow mlx-lm's `gated_delta_ops`: q, k (B, T, Hk, Dk); v (B, T, Hv, Dv) with Hv a multiple
 of Hk; log_g and beta (B, T, Hv) (scalar gates, given as log g for range); state (B, Hv, Dv, Dk),
 float32. Returns y (B, T, Hv, Dv) in q's dtype and the final state in float32.
@@ -27,6 +31,11 @@ from contextlib import contextmanager
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
+
+import metal_kernels.delta as delta_kernels
+
+from . import routing
 
 CHUNK: int | None = None  # positions per chunk; None: chunk_size() picks by backend
 
@@ -159,12 +168,116 @@ def _recurrence_vjp(primals, cotangents, outputs):
     return g["u0"], g["w"], g["qg"], g["p"], g["kd"], g["g"], ds
 
 
+def _flat(x: mx.array) -> mx.array:
+    """(n, B, Hk, r, ...) -> (n, B Hk r, ...): the kernels' heads."""
+    return x.reshape(x.shape[0], -1, *x.shape[4:])
+
+
+def _kernel_scan(u0, w, qg, p, kd, g_end, s, keep: bool = True):
+    """The forward scan kernel: (outputs, exit state, entry states or a placeholder)."""
+    n, lead = u0.shape[0], u0.shape[:4]
+    heads = s.reshape(-1, *s.shape[-2:])
+    call = delta_kernels.scan_launch(_flat(u0), _flat(w), _flat(qg), _flat(p), _flat(kd),
+                                     g_end.reshape(n, -1), heads, keep)  # fmt: skip
+    o, entries, s_out = routing.launch(call)
+    entries = entries.reshape(*lead, *s.shape[-2:]) if keep else entries
+    return o.reshape(u0.shape), s_out.reshape(s.shape), entries
+
+
+@mx.custom_function
+def _kernel_recurrence(u0, w, qg, p, kd, g_end, s):
+    return _kernel_scan(u0, w, qg, p, kd, g_end, s)
+
+
+@_kernel_recurrence.vjp
+def _kernel_recurrence_vjp(primals, cotangents, outputs):
+    """The reverse scan kernel gives dS leaving each chunk and du; the rest is per chunk, in
+    parallel (the same products as _recurrence_vjp's)."""
+    u0, w, qg, p, kd, g_end, s = primals
+    d_out, ds = cotangents[0], cotangents[1]
+    entries = outputs[2]  # (n, B, Hk, r, Dv, Dk)
+    call = delta_kernels.scan_back_launch(_flat(w), _flat(qg), _flat(p), _flat(kd),
+                                          g_end.reshape(u0.shape[0], -1), _flat(d_out),
+                                          ds.reshape(-1, *ds.shape[-2:]))  # fmt: skip
+    ds_exit, du, ds0 = routing.launch(call)
+    ds_exit, du = ds_exit.reshape(entries.shape), du.reshape(u0.shape)
+    u = u0 - w @ entries.swapaxes(-1, -2)  # (n, B, Hk, r, c, Dv)
+    dg = (ds_exit * entries).sum(axis=(-1, -2), keepdims=True)
+    return (du, -(du @ entries), d_out @ entries, d_out @ u.swapaxes(-1, -2), u @ ds_exit, dg,
+            ds0.reshape(s.shape))  # fmt: skip
+
+
+def _kernel_case(dk: int, chunk: int) -> routing.Case | None:
+    b = routing.backend()
+    if b is None or routing.mode() == "off" or not delta_kernels.supports(dk, chunk):
+        return None
+    return routing.Case(b, mx.float32, dk, chunk, op="delta")
+
+
+def use_kernel(dk: int, chunk: int) -> bool:
+    """Whether the recurrence runs on the scan kernels (self-checked once per case)."""
+    case = _kernel_case(dk, chunk)
+    return case is not None and routing.decide(case, kernel_vs_twin)
+
+
+def kernel_vs_twin(case: routing.Case, n: int = 3, dv: int = 32) -> dict[str, float]:
+    """The self-check: the scan kernels against the ops recurrence on a small case (n chunks, a
+    non-zero initial state, two value heads), forward and backward."""
+    rng = np.random.default_rng(0)
+    c, dk = case.groups, case.dim
+    lead = (n, 1, 1, 2)
+
+    def normal(*shape, scale=0.1):
+        return mx.array((scale * rng.standard_normal(shape)).astype(np.float32))
+
+    p = normal(*lead, c, c) * mx.tril(mx.ones((c, c)))
+    g_end = mx.array(rng.uniform(0.5, 1.0, (*lead, 1, 1)).astype(np.float32))
+    inputs = [normal(*lead, c, dv), normal(*lead, c, dk), normal(*lead, c, dk), p,
+              normal(*lead, c, dk), g_end, normal(1, 1, 2, dv, dk, scale=1.0)]  # fmt: skip
+    cots = [normal(*lead, c, dv, scale=1.0), normal(1, 1, 2, dv, dk, scale=1.0)]
+    got = mx.vjp(lambda *a: _kernel_recurrence(*a)[:2], inputs, cots)
+    want = mx.vjp(lambda *a: _recurrence_with_states(*a)[:2], inputs, cots)
+
+    def rel(a, b):
+        return (
+            mx.linalg.norm((a - b).reshape(-1)) / (mx.linalg.norm(b.reshape(-1)) + 1e-30)
+        ).item()
+
+    return {
+        "delta/scan": max(rel(a, b) for a, b in zip(got[0], want[0])),
+        "delta/scan_back": max(rel(a, b) for a, b in zip(got[1], want[1])),
+    }
+
+
 def recurrence(u0, w, qg, p, kd, g_end, s, differentiable: bool = True):
-    """(outputs, exit state) of the chunk recurrence; entry states are kept for the VJP only."""
+    """(outputs, exit state) of the chunk recurrence; entry states are kept for the VJP only.
+    On the scan kernels where they apply (MLXWALK_KERNELS=check: compared with the ops, whose
+    result goes on)."""
+    if use_kernel(w.shape[-1], u0.shape[-2]):
+        if routing.mode() != "check":
+            if not differentiable:
+                return _kernel_scan(u0, w, qg, p, kd, g_end, s, keep=False)[:2]
+            return _kernel_recurrence(u0, w, qg, p, kd, g_end, s)[:2]
+        got = _kernel_scan(u0, w, qg, p, kd, g_end, s, keep=False)[:2]
+        want = _walk_chunks(u0, w, qg, p, kd, g_end, s, keep=False)[:2]
+        _compare(got, want, routing.Case(routing.backend(), mx.float32, w.shape[-1],
+                                         u0.shape[-2], op="delta"))  # fmt: skip
     if not differentiable:
         return _walk_chunks(u0, w, qg, p, kd, g_end, s, keep=False)[:2]
     o, s_exit, _ = _recurrence_with_states(u0, w, qg, p, kd, g_end, s)
     return o, s_exit
+
+
+def _compare(got, want, case: routing.Case) -> None:
+    error = max(
+        (mx.linalg.norm((a - b).reshape(-1)) / (mx.linalg.norm(b.reshape(-1)) + 1e-30)).item()
+        for a, b in zip(got, want)
+    )
+    if error > routing.TOLERANCE[mx.float32]:
+        routing.report(
+            "delta/scan", case, f"disagrees with the ops twin (relative error {error:.1e})"
+        )
+        routing.disable(case)
 
 
 def gated_delta_chunked(q, k, v, log_g, beta, state, differentiable: bool = True):

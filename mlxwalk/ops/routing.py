@@ -41,12 +41,18 @@ CUDA_HEAD_DIMS: tuple[int, ...] = ()
 
 @dataclass(frozen=True)
 class Case:
+    """What a kernel's self-check covers: attention per (dtype, head dim, GQA ratio); the delta
+    rule per (key dim, chunk) (`groups` holds the chunk)."""
+
     backend: str
     dtype: mx.Dtype
     dim: int
     groups: int
+    op: str = "attention"
 
     def __str__(self) -> str:
+        if self.op == "delta":
+            return f"{self.backend} delta rule key dim {self.dim} chunk {self.groups}"
         name = str(self.dtype).removeprefix("mlx.core.")
         return f"{self.backend} {name} head dim {self.dim} GQA {self.groups}"
 
@@ -91,9 +97,14 @@ def use_kernel(
         return False
     if auto and case.backend == "cuda" and case.dim not in CUDA_HEAD_DIMS:
         return False
+    return decide(case, check, race)
+
+
+def decide(case: Case, check: Checker, race: Racer | None = None) -> bool:
+    """A case's verdict, found once: the self-check, then on Metal the race (when given)."""
     if case not in _verdicts:
         ok = self_check(case, check)
-        if ok and case.backend == "metal" and RACE is not None:
+        if ok and case.backend == "metal" and RACE is not None and race is not None:
             ok = won_race(case, race)
         _verdicts[case] = ok
     return _verdicts[case]
@@ -104,7 +115,7 @@ def won_race(case: Case, race: Racer) -> bool:
     if kernel_s <= twin_s:
         return True
     queries, prefix = RACE
-    print(f"mlxwalk: kernel attention took {kernel_s * 1e3:.0f} ms against the ops twin's "
+    print(f"mlxwalk: kernel {case.op} took {kernel_s * 1e3:.0f} ms against the ops twin's "
           f"{twin_s * 1e3:.0f} ms on {case} ({queries} queries over {prefix} keys, forward and "
           "backward); using the ops path", file=sys.stderr)  # fmt: skip
     return False
@@ -134,7 +145,7 @@ def self_check(case: Case, check: Checker) -> bool:
     try:
         errors = check(case)
     except Exception as e:  # a compile error, a launch failure: the ops path still works
-        report("attention", case, f"failed to run ({str(e).splitlines()[0][:200]})")
+        report(case.op, case, f"failed to run ({str(e).splitlines()[0][:200]})")
         return False
     worst = max(errors, key=errors.get)
     if errors[worst] > TOLERANCE[case.dtype]:
