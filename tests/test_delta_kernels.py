@@ -108,3 +108,23 @@ def test_the_harness_catches_a_broken_scan(on_harness, monkeypatch, stem, old, n
         monkeypatch.undo()
         build.kernel.cache_clear()
     assert errors[stem] > 1e-2, errors
+
+
+def test_delta_routing(monkeypatch):
+    monkeypatch.setattr(routing, "backend", lambda: "cuda")
+    case = routing.Case("cuda", mx.float32, 64, 16, op="delta")
+    monkeypatch.setattr(routing, "_verdicts", {case: True})
+    monkeypatch.delenv("MLXWALK_KERNELS", raising=False)
+    assert not delta.use_kernel(64, 16)  # CUDA: measured slower than the ops
+    monkeypatch.setenv("MLXWALK_KERNELS", "on")
+    assert delta.use_kernel(64, 16)
+    assert not delta.use_kernel(80, 16)  # a key dim the scans do not take
+    assert not delta.use_kernel(64, 512)  # nor a chunk past their threadgroup memory
+
+
+def test_on_metal_slower_scans_are_not_used(on_harness, monkeypatch, capsys):
+    monkeypatch.setattr(routing, "RACE", {"delta": (4, 1)})
+    assert not delta.use_kernel(32, 16)  # the harness (threads on a CPU) loses to the ops
+    err = capsys.readouterr().err
+    assert err.startswith("mlxwalk: kernel delta took ") and err.count("\n") == 1
+    assert "on metal delta rule key dim 32 chunk 16 (4 chunks, 1 value heads" in err

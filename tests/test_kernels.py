@@ -125,7 +125,7 @@ def test_check_mode_compares_and_returns_the_twin(on_harness, monkeypatch, capsy
 
 def test_on_metal_a_kernel_slower_than_the_twin_is_not_used(on_harness, monkeypatch, capsys):
     """The first-use race on Metal: the harness (threads on a CPU) loses to the twin."""
-    monkeypatch.setattr(routing, "RACE", (32, 64))
+    monkeypatch.setattr(routing, "RACE", {"attention": (32, 64)})
     q, k = mx.zeros((1, 2, 8, 64)), mx.zeros((1, 2, 8, 64))
     assert path(q, k, None) == "twin"
     err = capsys.readouterr().err

@@ -26,6 +26,7 @@ float32. Returns y (B, T, Hv, Dv) in q's dtype and the final state in float32.
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -214,18 +215,25 @@ def _kernel_case(dk: int, chunk: int) -> routing.Case | None:
     return routing.Case(b, mx.float32, dk, chunk, op="delta")
 
 
+# On CUDA the scans lose to the ops at the GPU's chunk of 256 (scripts/bench-delta.py --kernels,
+# docs/BENCHMARKS.md), so `auto` keeps the ops there; MLXWALK_KERNELS=on runs them.
+CUDA_SCANS = False
+
+
 def use_kernel(dk: int, chunk: int) -> bool:
-    """Whether the recurrence runs on the scan kernels (self-checked once per case)."""
+    """Whether the recurrence runs on the scan kernels (self-checked once per case; on Metal
+    raced against the ops at first use)."""
     case = _kernel_case(dk, chunk)
-    return case is not None and routing.decide(case, kernel_vs_twin)
+    if case is None or (case.backend == "cuda" and not CUDA_SCANS and routing.mode() != "on"):
+        return False
+    return routing.decide(case, kernel_vs_twin, race)
 
 
-def kernel_vs_twin(case: routing.Case, n: int = 3, dv: int = 32) -> dict[str, float]:
-    """The self-check: the scan kernels against the ops recurrence on a small case (n chunks, a
-    non-zero initial state, two value heads), forward and backward."""
+def _case(case: routing.Case, n: int, dv: int, heads: int) -> tuple[list, list]:
+    """Recurrence inputs and cotangents for a case: n chunks, a non-zero initial state."""
     rng = np.random.default_rng(0)
     c, dk = case.groups, case.dim
-    lead = (n, 1, 1, 2)
+    lead = (n, 1, 1, heads)
 
     def normal(*shape, scale=0.1):
         return mx.array((scale * rng.standard_normal(shape)).astype(np.float32))
@@ -233,8 +241,32 @@ def kernel_vs_twin(case: routing.Case, n: int = 3, dv: int = 32) -> dict[str, fl
     p = normal(*lead, c, c) * mx.tril(mx.ones((c, c)))
     g_end = mx.array(rng.uniform(0.5, 1.0, (*lead, 1, 1)).astype(np.float32))
     inputs = [normal(*lead, c, dv), normal(*lead, c, dk), normal(*lead, c, dk), p,
-              normal(*lead, c, dk), g_end, normal(1, 1, 2, dv, dk, scale=1.0)]  # fmt: skip
-    cots = [normal(*lead, c, dv, scale=1.0), normal(1, 1, 2, dv, dk, scale=1.0)]
+              normal(*lead, c, dk), g_end, normal(1, 1, heads, dv, dk, scale=1.0)]  # fmt: skip
+    cots = [normal(*lead, c, dv, scale=1.0), normal(1, 1, heads, dv, dk, scale=1.0)]
+    return inputs, cots
+
+
+def race(case: routing.Case, size: tuple[int, int]) -> tuple[float, float]:
+    """Seconds for the recurrence forward and backward, scans then ops (median of three after a
+    warm-up): `size` = (chunks, value heads of dim 128)."""
+    inputs, cots = _case(case, size[0], 128, size[1])
+    seconds = []
+    for fn in (_kernel_recurrence, _recurrence_with_states):
+        step = lambda f=fn: mx.eval(mx.vjp(lambda *a: f(*a)[:2], inputs, cots))  # noqa: E731
+        step()
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t)
+        seconds.append(sorted(times)[1])
+    return seconds[0], seconds[1]
+
+
+def kernel_vs_twin(case: routing.Case, n: int = 3, dv: int = 32) -> dict[str, float]:
+    """The self-check: the scan kernels against the ops recurrence on a small case (n chunks, a
+    non-zero initial state, two value heads), forward and backward."""
+    inputs, cots = _case(case, n, dv, 2)
     got = mx.vjp(lambda *a: _kernel_recurrence(*a)[:2], inputs, cots)
     want = mx.vjp(lambda *a: _recurrence_with_states(*a)[:2], inputs, cots)
 

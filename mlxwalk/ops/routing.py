@@ -2,9 +2,11 @@
 
 MLXWALK_KERNELS=auto (default) routes to a kernel where one applies and passed its self-check;
 off keeps every op on its pure-MLX twin; check runs both on every call, returns the twin's
-result and reports a disagreement. The self-check runs once per (backend, dtype, head dim,
-grouped-query ratio): a small case through the kernel and the twin; a compile error or a
-mismatch prints one line naming the kernel and the case, and that case stays on the ops path.
+result and reports a disagreement; on runs every kernel that applies and passes its self-check,
+whatever the measurements say (the CUDA tables and the Metal race below). The self-check runs
+once per case (attention: backend, dtype, head dim, grouped-query ratio; the delta rule: key dim
+and chunk): a small case through the kernel and the twin; a compile error or a mismatch prints
+one line naming the kernel and the case, and that case stays on the ops path.
 
 On CUDA, where the kernels are measured (docs/BENCHMARKS.md), `auto` follows that table. On
 Metal, where nothing could be measured while the kernels were written, the first use also races
@@ -26,7 +28,7 @@ from metal_kernels import build
 
 from ..plan import PlanError
 
-MODES = ("auto", "off", "check")
+MODES = ("auto", "off", "check", "on")
 # The relative L2 error a kernel may show against the twin: float32 leaves room for TF32
 # matmuls in the twin on CUDA, half precision for its rounded inputs and outputs. A wrong
 # kernel is off by order one.
@@ -59,7 +61,10 @@ class Case:
 
 Checker = Callable[[Case], dict[str, float]]  # relative errors by kernel, kernel vs twin
 Racer = Callable[[Case, tuple[int, int]], tuple[float, float]]  # seconds: kernel, twin
-RACE: tuple[int, int] | None = (1024, 4096)  # (queries, prefix) of the first-use race on Metal
+# The first-use races on Metal, per op: attention (queries, prefix), the delta rule (chunks of
+# the case's size, value heads of dim 128); None: no race.
+RACE: dict[str, tuple[int, int]] | None = {"attention": (1024, 4096), "delta": (32, 8)}
+_RACE_SIZE = {"attention": "{} queries over {} keys", "delta": "{} chunks, {} value heads"}
 # Injected so the CPU tests can run the Metal kernels through the harness.
 launch = build.launch
 backend = build.current_backend
@@ -95,7 +100,7 @@ def use_kernel(
         return False
     if not attention_kernels.supports(q, k, store_dtype):
         return False
-    if auto and case.backend == "cuda" and case.dim not in CUDA_HEAD_DIMS:
+    if auto and case.backend == "cuda" and case.dim not in CUDA_HEAD_DIMS and mode() != "on":
         return False
     return decide(case, check, race)
 
@@ -104,19 +109,20 @@ def decide(case: Case, check: Checker, race: Racer | None = None) -> bool:
     """A case's verdict, found once: the self-check, then on Metal the race (when given)."""
     if case not in _verdicts:
         ok = self_check(case, check)
-        if ok and case.backend == "metal" and RACE is not None and race is not None:
+        raced = RACE and case.op in RACE and race is not None and mode() != "on"
+        if ok and case.backend == "metal" and raced:
             ok = won_race(case, race)
         _verdicts[case] = ok
     return _verdicts[case]
 
 
 def won_race(case: Case, race: Racer) -> bool:
-    kernel_s, twin_s = race(case, RACE)
+    size = RACE[case.op]
+    kernel_s, twin_s = race(case, size)
     if kernel_s <= twin_s:
         return True
-    queries, prefix = RACE
     print(f"mlxwalk: kernel {case.op} took {kernel_s * 1e3:.0f} ms against the ops twin's "
-          f"{twin_s * 1e3:.0f} ms on {case} ({queries} queries over {prefix} keys, forward and "
+          f"{twin_s * 1e3:.0f} ms on {case} ({_RACE_SIZE[case.op].format(*size)}, forward and "
           "backward); using the ops path", file=sys.stderr)  # fmt: skip
     return False
 
