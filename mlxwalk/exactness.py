@@ -246,10 +246,10 @@ def run(models: list[tuple[str, str]], as_json: bool = False, echo=print) -> boo
 
 
 def kernels_line() -> str:
-    """Which attention kernels the chunk attention ran (the cases routed to a kernel)."""
+    """Which kernels ran (the cases routed to one: attention, the delta rule's scans)."""
     from .ops import routing
 
     ran = [str(case) for case, ok in routing.verdicts().items() if ok]
     off = [str(case) for case, ok in routing.verdicts().items() if not ok]
-    line = "attention kernels: " + ("; ".join(ran) if ran else f"none ({routing.why_none()})")
+    line = "kernels: " + ("; ".join(ran) if ran else f"none ({routing.why_none()})")
     return line + (f"; ops path after a failed self-check: {'; '.join(off)}" if off else "")

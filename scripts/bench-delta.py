@@ -7,6 +7,8 @@ then the exact walk against one graph on the bundled hybrid. One process, side b
     scripts/bench-delta.py --kernels [--lengths 4096 16384] [--chunks 64 256]
         the op on the scan kernels against the ops twin (and MLX's gated_delta_update, which
         falls back to ops on CUDA, up to --fast-max positions), on this machine's GPU
+    scripts/bench-delta.py --compiled [--lengths 1024] [--key-heads 1 --value-heads 2 --dim 64]
+        the op's gradient as is against it under mx.compile (the shapes static), alternated
 """
 
 import argparse
@@ -86,6 +88,42 @@ def mlx_fast(q, k, v, log_g, beta, s):
     return mx.fast.gated_delta_update(q, k, v, mx.exp(log_g), beta, initial_state=s)
 
 
+def compiled(a) -> int:
+    """The ops twin's forward+backward with and without mx.compile, alternated, one process."""
+    print(f"mlx {mx.__version__} on {mx.default_device()}, {platform.machine()}; gated delta "
+          f"layer {a.key_heads}/{a.value_heads} heads, dim {a.dim}, float32, fwd+bwd")  # fmt: skip
+    print("| T | as is s | mx.compile s |\n|---:|---:|---:|")
+    for t in a.lengths:
+        xs = layer_inputs(t, a.key_heads, a.value_heads, a.dim)
+
+        def loss(*x):
+            y, s = gated_delta(*x)
+            return y.sum() + s.sum()
+
+        plain = mx.grad(loss, argnums=list(range(6)))
+        fns = {"as is": plain, "compiled": mx.compile(plain)}
+        times = {k: [] for k in fns}
+        for _ in range(max(3, a.repeats)):
+            for name, fn in fns.items():
+                mx.eval(fn(*xs))  # warm-up (and the compile) before each timed run
+                start = time.perf_counter()
+                mx.eval(fn(*xs))
+                times[name].append(time.perf_counter() - start)
+        med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+        print(f"| {t} | {med['as is']:.4f} | {med['compiled']:.4f} |", flush=True)
+    model, _ = models.load("tiny-qwen3_5")
+    prepare(model)
+    print(f"\nthe exact walk on tiny-qwen3_5, window {a.walk_window}, chunk 256 (median of 3)")
+    print("| round | as is s | mx.compile s |\n|---:|---:|---:|")
+    for i in range(2):
+        row = []
+        for on in (False, True):
+            delta.CPU_COMPILE = on  # the layers' op under mx.compile on the CPU, or not
+            row.append(bench.measure(model, "exact", a.walk_window, 256, 3).seconds)
+        print(f"| {i + 1} | {row[0]:.3f} | {row[1]:.3f} |", flush=True)
+    return 0
+
+
 def kernels(a) -> int:
     """The chunked op with its recurrence on the scan kernels against the ops twin, one process."""
     print(f"mlx {mx.__version__} on {mx.default_device()}, {platform.node()}; gated delta "
@@ -121,7 +159,10 @@ def main() -> int:
     p.add_argument("--chunks", type=int, nargs="+", help="time the op at these chunk sizes only")
     p.add_argument("--kernels", action="store_true", help="the scan kernels against the ops")
     p.add_argument("--fast-max", type=int, default=4096, help="MLX's op up to this T")
+    p.add_argument("--compiled", action="store_true", help="the ops under mx.compile")
     a = p.parse_args()
+    if a.compiled:
+        return compiled(a)
     if a.kernels:
         return kernels(a)
     if a.chunks:

@@ -82,3 +82,26 @@ def test_unit_lower_inverse_and_its_vjp(c):
     _, (got,) = mx.vjp(unit_lower_inverse, [a], [cot])
     _, (want,) = mx.vjp(_substitute, [a], [cot])  # autodiff through the substitution
     assert rel(got, want) < 1e-4
+
+
+def test_the_compiled_cpu_path_matches(monkeypatch):
+    """delta.CPU_COMPILE (off by default: no gain measured on the walk) gives the same values and
+    gradients through mlx-lm's gated_delta_update signature."""
+    from mlxwalk.ops import delta
+
+    mx.random.seed(3)
+    q, k = mx.random.normal((2, 1, 40, 1, 32)) * 0.3
+    v = mx.random.normal((1, 40, 2, 16))
+    a, b = mx.random.normal((2, 1, 40, 2))
+    a_log, dt_bias = mx.zeros((2,)), mx.zeros((2,))
+
+    def run(*x):
+        y, s = delta.gated_delta_update(*x, a_log, dt_bias)
+        return y.sum() + (s * s).sum()
+
+    want = mx.value_and_grad(run, argnums=[0, 1, 2, 3, 4])(q, k, v, a, b)
+    monkeypatch.setattr(delta, "CPU_COMPILE", True)
+    got = mx.value_and_grad(run, argnums=[0, 1, 2, 3, 4])(q, k, v, a, b)
+    assert abs(got[0].item() - want[0].item()) <= 1e-5 * abs(want[0].item())
+    for x, y in zip(got[1], want[1]):
+        assert mx.allclose(x, y, rtol=1e-4, atol=1e-5)

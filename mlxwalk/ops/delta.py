@@ -390,7 +390,16 @@ def gated_delta_update(
     log_g = -mx.exp(A_log.astype(mx.float32)) * nn.softplus(a + dt_bias)
     if state is None:
         state = mx.zeros((q.shape[0], v.shape[-2], v.shape[-1], q.shape[-1]), mx.float32)
+    if CPU_COMPILE and routing.backend() is None:
+        return _compiled(q, k, v, log_g, beta, state)
     return gated_delta(q, k, v, log_g, beta, state)
+
+
+# The ops under mx.compile on the CPU (recompiled per distinct shape: a walk meets its chunk and
+# a shorter last one): 1.05-1.4x on the op alone, nothing measurable on the exact walk over the
+# bundled hybrid (scripts/bench-delta.py --compiled, docs/BENCHMARKS.md); off until it pays.
+CPU_COMPILE = False
+_compiled = mx.compile(gated_delta)
 
 
 def _mlx_lm_update(*args, **kwargs):
