@@ -128,3 +128,29 @@ def test_on_metal_slower_scans_are_not_used(on_harness, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert err.startswith("mlxwalk: kernel delta took ") and err.count("\n") == 1
     assert "on metal delta rule key dim 32 chunk 16 (4 chunks, 1 value heads" in err
+
+
+def test_mlx_gated_delta_update_is_checked_and_raced_on_metal(monkeypatch, capsys):
+    """On Metal the drop-in may route a layer to MLX's own op: checked against ours (every
+    gradient, the initial state's included), then raced. Here MLX's op is its CPU fallback: it
+    matches, and loses the race to ours."""
+    monkeypatch.setattr(routing, "backend", lambda: "metal")
+    monkeypatch.setattr(routing, "_verdicts", {})
+    monkeypatch.setattr(routing, "RACE", {"mlx-delta": (256, 1)})
+    monkeypatch.delenv("MLXWALK_KERNELS", raising=False)
+    q, v = mx.zeros((1, 8, 2, 32)), mx.zeros((1, 8, 4, 16))
+    case = delta._mlx_fast_case(q, v)
+    assert delta.mlx_fast_vs_ops(case)["mlx gated_delta_update"] < 1e-5
+    assert not delta.use_mlx_fast(q, v)
+    err = capsys.readouterr().err
+    assert "gated_delta_update 2/4 heads, dims 32/16 (256 positions, batch 1" in err
+    monkeypatch.setattr(routing, "_verdicts", {})
+    monkeypatch.setattr(routing, "RACE", None)
+    assert delta.use_mlx_fast(q, v)  # correct, and not raced: routed
+    x = inputs(t=50, hk=2, hv=4, dk=32, dv=16)
+    a, b = mx.random.normal((2, 1, 50, 4))
+    got = delta.gated_delta_update(x[0], x[1], x[2], a, b, mx.zeros((4,)), mx.zeros((4,)), x[5])
+    monkeypatch.setenv("MLXWALK_KERNELS", "off")
+    want = delta.gated_delta_update(x[0], x[1], x[2], a, b, mx.zeros((4,)), mx.zeros((4,)), x[5])
+    for g, w in zip(got, want):
+        assert mx.allclose(g, w, rtol=1e-4, atol=1e-5)

@@ -392,7 +392,83 @@ def gated_delta_update(
         state = mx.zeros((q.shape[0], v.shape[-2], v.shape[-1], q.shape[-1]), mx.float32)
     if CPU_COMPILE and routing.backend() is None:
         return _compiled(q, k, v, log_g, beta, state)
+    if routing.backend() == "metal" and use_mlx_fast(q, v):
+        if routing.mode() != "check":
+            return mlx_fast(q, k, v, log_g, beta, state)
+        got = mlx_fast(q, k, v, log_g, beta, state)
+        want = gated_delta(q, k, v, log_g, beta, state)
+        _compare(got, want, _mlx_fast_case(q, v))
+        return want
     return gated_delta(q, k, v, log_g, beta, state)
+
+
+def mlx_fast(q, k, v, log_g, beta, state):
+    """MLX's own gated delta rule (Metal kernels with a VJP for the shapes it covers): the same
+    contract as gated_delta (gamma given in linear space)."""
+    y, s = mx.fast.gated_delta_update(q, k, v, mx.exp(log_g), beta, initial_state=state)
+    return y.astype(q.dtype), s.astype(mx.float32)
+
+
+def _mlx_fast_case(q, v) -> routing.Case:
+    """MLX's op covers some shapes only: one case per (key heads, value heads, key dim, value
+    dim, dtype)."""
+    hk, dk, hv, dv = q.shape[-2], q.shape[-1], v.shape[-2], v.shape[-1]
+    return routing.Case(routing.backend(), q.dtype, dk, dv, op=f"mlx-delta {hk}/{hv}")
+
+
+def use_mlx_fast(q, v) -> bool:
+    """On Metal: MLX's gated_delta_update where it matches the ops on a small case of the layer's
+    shape (values, the final state, every gradient including the initial state's) and, at first
+    use, beats them."""
+    if routing.mode() == "off":
+        return False
+    return routing.decide(_mlx_fast_case(q, v), mlx_fast_vs_ops, mlx_fast_race)
+
+
+def _layer(case: routing.Case, t: int):
+    hk, hv = (int(x) for x in case.op.split()[1].split("/"))
+    rng = np.random.default_rng(0)
+
+    def normal(*shape, scale=1.0):
+        return mx.array((scale * rng.standard_normal(shape)).astype(np.float32))
+
+    x = [normal(1, t, hk, case.dim, scale=0.3).astype(case.dtype),
+         normal(1, t, hk, case.dim, scale=0.3).astype(case.dtype),
+         normal(1, t, hv, case.groups).astype(case.dtype),
+         -mx.array(rng.uniform(0.01, 0.3, (1, t, hv)).astype(np.float32)),
+         mx.array(rng.uniform(0.1, 0.9, (1, t, hv)).astype(np.float32)),
+         normal(1, hv, case.groups, case.dim, scale=0.5)]  # fmt: skip
+    cots = [normal(1, t, hv, case.groups).astype(case.dtype), normal(1, hv, case.groups, case.dim)]
+    return x, cots
+
+
+def mlx_fast_vs_ops(case: routing.Case) -> dict[str, float]:
+    x, cots = _layer(case, 70)
+    got = mx.vjp(mlx_fast, x, cots)
+    want = mx.vjp(gated_delta, x, cots)
+    pairs = zip([*got[0], *got[1]], [*want[0], *want[1]])
+    return {"mlx gated_delta_update": max(_rel(a, b) for a, b in pairs)}
+
+
+def mlx_fast_race(case: routing.Case, size: tuple[int, int]) -> tuple[float, float]:
+    """Seconds for a layer's forward and backward over size[0] positions: MLX's op, then ours."""
+    x, cots = _layer(case, size[0])
+    seconds = []
+    for fn in (mlx_fast, gated_delta):
+        step = lambda f=fn: mx.eval(mx.vjp(f, x, cots))  # noqa: E731
+        step()
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t)
+        seconds.append(sorted(times)[1])
+    return seconds[0], seconds[1]
+
+
+def _rel(a, b) -> float:
+    a, b = a.astype(mx.float32), b.astype(mx.float32)
+    return (mx.linalg.norm((a - b).reshape(-1)) / (mx.linalg.norm(b.reshape(-1)) + 1e-30)).item()
 
 
 # The ops under mx.compile on the CPU (recompiled per distinct shape: a walk meets its chunk and

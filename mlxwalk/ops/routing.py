@@ -55,6 +55,10 @@ class Case:
     def __str__(self) -> str:
         if self.op == "delta":
             return f"{self.backend} delta rule key dim {self.dim} chunk {self.groups}"
+        if self.op.startswith("mlx-delta"):
+            name = str(self.dtype).removeprefix("mlx.core.")
+            return (f"{self.backend} {name} gated_delta_update {self.op.split()[1]} heads, dims "
+                    f"{self.dim}/{self.groups}")  # fmt: skip
         name = str(self.dtype).removeprefix("mlx.core.")
         return f"{self.backend} {name} head dim {self.dim} GQA {self.groups}"
 
@@ -63,8 +67,13 @@ Checker = Callable[[Case], dict[str, float]]  # relative errors by kernel, kerne
 Racer = Callable[[Case, tuple[int, int]], tuple[float, float]]  # seconds: kernel, twin
 # The first-use races on Metal, per op: attention (queries, prefix), the delta rule (chunks of
 # the case's size, value heads of dim 128); None: no race.
-RACE: dict[str, tuple[int, int]] | None = {"attention": (1024, 4096), "delta": (32, 8)}
-_RACE_SIZE = {"attention": "{} queries over {} keys", "delta": "{} chunks, {} value heads"}
+RACE: dict[str, tuple[int, int]] | None = {
+    "attention": (1024, 4096),
+    "delta": (32, 8),
+    "mlx-delta": (2048, 1),  # MLX's gated_delta_update against the ops, one layer
+}
+_RACE_SIZE = {"attention": "{} queries over {} keys", "delta": "{} chunks, {} value heads",
+              "mlx-delta": "{} positions, batch {}"}  # fmt: skip
 # Injected so the CPU tests can run the Metal kernels through the harness.
 launch = build.launch
 backend = build.current_backend
@@ -109,7 +118,8 @@ def decide(case: Case, check: Checker, race: Racer | None = None) -> bool:
     """A case's verdict, found once: the self-check, then on Metal the race (when given)."""
     if case not in _verdicts:
         ok = self_check(case, check)
-        raced = RACE and case.op in RACE and race is not None and mode() != "on"
+        kind = case.op.split()[0]
+        raced = RACE and kind in RACE and race is not None and mode() != "on"
         if ok and case.backend == "metal" and raced:
             ok = won_race(case, race)
         _verdicts[case] = ok
@@ -117,12 +127,13 @@ def decide(case: Case, check: Checker, race: Racer | None = None) -> bool:
 
 
 def won_race(case: Case, race: Racer) -> bool:
-    size = RACE[case.op]
+    kind = case.op.split()[0]
+    size = RACE[kind]
     kernel_s, twin_s = race(case, size)
     if kernel_s <= twin_s:
         return True
     print(f"mlxwalk: kernel {case.op} took {kernel_s * 1e3:.0f} ms against the ops twin's "
-          f"{twin_s * 1e3:.0f} ms on {case} ({_RACE_SIZE[case.op].format(*size)}, forward and "
+          f"{twin_s * 1e3:.0f} ms on {case} ({_RACE_SIZE[kind].format(*size)}, forward and "
           "backward); using the ops path", file=sys.stderr)  # fmt: skip
     return False
 
