@@ -143,7 +143,14 @@ def test_routing(monkeypatch):
     monkeypatch.setattr(routing, "_verdicts", {routing.Case("cuda", mx.float32, 64, 2): True})
     assert path(q, k, None) == "kernel"
     assert path(q, k, None, auto=True) == "twin"  # CUDA at 64: mlx-lm's fused path wins
-    assert not attention_kernels.supports(mx.zeros((1, 2, 8, 80)), mx.zeros((1, 2, 8, 80)), None)
+    x80, x64 = mx.zeros((1, 2, 8, 80)), mx.zeros((1, 2, 8, 64))
+    assert not attention_kernels.supports(x80, x80, x80, None)  # not a multiple of 32
+    assert not attention_kernels.supports(x64, x64, mx.zeros((1, 2, 8, 32)), None)  # dv != dk
+    assert path(q, k, None, v=mx.zeros((1, 2, 8, 32))) == "twin"
+    monkeypatch.setenv("MLXWALK_KERNELS", "check")  # check compares everywhere: tables aside
+    assert path(q, k, None, auto=True) == "check"
+    monkeypatch.setenv("MLXWALK_KERNELS", "on")
+    assert path(q, k, None, auto=True) == "kernel"
     monkeypatch.setenv("MLXWALK_KERNELS", "off")
     assert path(q, k, None) == "twin"
     monkeypatch.setenv("MLXWALK_KERNELS", "fast")
@@ -223,3 +230,28 @@ def test_the_harness_catches_a_broken_kernel(on_harness, monkeypatch, stem, old,
         monkeypatch.undo()
         build.kernel.cache_clear()
     assert errors[broken][0] > 1e-2, errors
+
+
+def test_no_small_input_meets_pointer_arithmetic():
+    """MLX passes an input of fewer than 8 elements in Metal's `constant` address space; a body
+    that offsets such a pointer into a `device` one compiles in the harness (address spaces are
+    defined away there) but not for an Apple GPU. Render every kernel at its smallest shapes."""
+    import re
+
+    import metal_kernels.delta as delta_kernels
+
+    z = mx.zeros
+    q, k = z((1, 1, 1, 32)), z((1, 1, 1, 32))
+    lse = delta = z((1, 1, 1))
+    calls = [attention_kernels.forward_launch(q, k, k, None, None, 0, 0.1),
+             *attention_kernels.backward_launches(q, k, k, None, None, 0, 0, 0.1, lse, delta, q),
+             delta_kernels.scan_launch(z((1, 1, 1, 1)), *[z((1, 1, 1, 32))] * 2, z((1, 1, 1, 1)),
+                                       z((1, 1, 1, 32)), z((1, 1)), z((1, 1, 32))),
+             delta_kernels.scan_back_launch(*[z((1, 1, 1, 32))] * 2, z((1, 1, 1, 1)),
+                                            z((1, 1, 1, 32)), z((1, 1)), z((1, 1, 1, 1)),
+                                            z((1, 1, 32)))]  # fmt: skip
+    for call in calls:
+        source = harness.render(call)
+        body = source.split(") {", 1)[1]
+        for name in re.findall(r"const constant \w+\* (\w+) \[\[buffer", source):
+            assert not re.search(rf"\b{name} \+", body), (call.spec.name, name)

@@ -37,12 +37,15 @@ DKDV_TC = Spec("attention/dkdv_tc", DKDV.inputs, DKDV.outputs, TC, ("cuda",))
 BK = 32  # the tensor-core kernels' tile of keys (forward, dq) or queries (dkdv)
 
 
-def supports(q: mx.array, k: mx.array, store_dtype: mx.Dtype | None) -> bool:
-    """The shapes and dtypes these kernels take (an 8-bit store, for one, they do not)."""
+def supports(q: mx.array, k: mx.array, v: mx.array, store_dtype: mx.Dtype | None) -> bool:
+    """The shapes and dtypes these kernels take (an 8-bit store, for one, they do not; nor values
+    of another head dim than the keys')."""
     floats = (mx.float32, mx.float16, mx.bfloat16)
     hq, hkv, dim = q.shape[1], k.shape[1], q.shape[-1]
     return (
         dim in DIMS
+        and k.shape[-1] == dim
+        and v.shape[-1] == dim
         and hq % hkv == 0
         and q.dtype in floats
         and k.dtype == q.dtype

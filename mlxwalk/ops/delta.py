@@ -224,7 +224,7 @@ def use_kernel(dk: int, chunk: int) -> bool:
     """Whether the recurrence runs on the scan kernels (self-checked once per case; on Metal
     raced against the ops at first use)."""
     case = _kernel_case(dk, chunk)
-    if case is None or (case.backend == "cuda" and not CUDA_SCANS and routing.mode() != "on"):
+    if case is None or (case.backend == "cuda" and not CUDA_SCANS and not routing.forced()):
         return False
     return routing.decide(case, kernel_vs_twin, race)
 
@@ -270,14 +270,9 @@ def kernel_vs_twin(case: routing.Case, n: int = 3, dv: int = 32) -> dict[str, fl
     got = mx.vjp(lambda *a: _kernel_recurrence(*a)[:2], inputs, cots)
     want = mx.vjp(lambda *a: _recurrence_with_states(*a)[:2], inputs, cots)
 
-    def rel(a, b):
-        return (
-            mx.linalg.norm((a - b).reshape(-1)) / (mx.linalg.norm(b.reshape(-1)) + 1e-30)
-        ).item()
-
     return {
-        "delta/scan": max(rel(a, b) for a, b in zip(got[0], want[0])),
-        "delta/scan_back": max(rel(a, b) for a, b in zip(got[1], want[1])),
+        "delta/scan": max(routing.relative_error(a, b) for a, b in zip(got[0], want[0])),
+        "delta/scan_back": max(routing.relative_error(a, b) for a, b in zip(got[1], want[1])),
     }
 
 
@@ -292,23 +287,19 @@ def recurrence(u0, w, qg, p, kd, g_end, s, differentiable: bool = True):
             return _kernel_recurrence(u0, w, qg, p, kd, g_end, s)[:2]
         got = _kernel_scan(u0, w, qg, p, kd, g_end, s, keep=False)[:2]
         want = _walk_chunks(u0, w, qg, p, kd, g_end, s, keep=False)[:2]
-        _compare(got, want, routing.Case(routing.backend(), mx.float32, w.shape[-1],
-                                         u0.shape[-2], op="delta"))  # fmt: skip
+        case = routing.Case(routing.backend(), mx.float32, w.shape[-1], u0.shape[-2], op="delta")
+        _compare(got, want, case, "delta/scan")
     if not differentiable:
         return _walk_chunks(u0, w, qg, p, kd, g_end, s, keep=False)[:2]
     o, s_exit, _ = _recurrence_with_states(u0, w, qg, p, kd, g_end, s)
     return o, s_exit
 
 
-def _compare(got, want, case: routing.Case) -> None:
-    error = max(
-        (mx.linalg.norm((a - b).reshape(-1)) / (mx.linalg.norm(b.reshape(-1)) + 1e-30)).item()
-        for a, b in zip(got, want)
-    )
-    if error > routing.TOLERANCE[mx.float32]:
-        routing.report(
-            "delta/scan", case, f"disagrees with the ops twin (relative error {error:.1e})"
-        )
+def _compare(got, want, case: routing.Case, name: str) -> None:
+    """MLXWALK_KERNELS=check: a disagreement is named and turns that path off."""
+    error = max(routing.relative_error(a, b) for a, b in zip(got, want))
+    if error > routing.TOLERANCE[case.dtype]:
+        routing.report(name, case, f"disagrees with the ops twin (relative error {error:.1e})")
         routing.disable(case)
 
 
@@ -397,7 +388,7 @@ def gated_delta_update(
             return mlx_fast(q, k, v, log_g, beta, state)
         got = mlx_fast(q, k, v, log_g, beta, state)
         want = gated_delta(q, k, v, log_g, beta, state)
-        _compare(got, want, _mlx_fast_case(q, v))
+        _compare(got, want, _mlx_fast_case(q, v), "mlx gated_delta_update")
         return want
     return gated_delta(q, k, v, log_g, beta, state)
 
@@ -447,7 +438,7 @@ def mlx_fast_vs_ops(case: routing.Case) -> dict[str, float]:
     got = mx.vjp(mlx_fast, x, cots)
     want = mx.vjp(gated_delta, x, cots)
     pairs = zip([*got[0], *got[1]], [*want[0], *want[1]])
-    return {"mlx gated_delta_update": max(_rel(a, b) for a, b in pairs)}
+    return {"mlx gated_delta_update": max(routing.relative_error(a, b) for a, b in pairs)}
 
 
 def mlx_fast_race(case: routing.Case, size: tuple[int, int]) -> tuple[float, float]:
@@ -464,11 +455,6 @@ def mlx_fast_race(case: routing.Case, size: tuple[int, int]) -> tuple[float, flo
             times.append(time.perf_counter() - t)
         seconds.append(sorted(times)[1])
     return seconds[0], seconds[1]
-
-
-def _rel(a, b) -> float:
-    a, b = a.astype(mx.float32), b.astype(mx.float32)
-    return (mx.linalg.norm((a - b).reshape(-1)) / (mx.linalg.norm(b.reshape(-1)) + 1e-30)).item()
 
 
 # The ops under mx.compile on the CPU (recompiled per distinct shape: a walk meets its chunk and

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-import metal_kernels.attention as attention_kernels
 from metal_kernels import build
 
 from ..plan import PlanError
@@ -33,12 +32,6 @@ MODES = ("auto", "off", "check", "on")
 # matmuls in the twin on CUDA, half precision for its rounded inputs and outputs. A wrong
 # kernel is off by order one.
 TOLERANCE = {mx.float32: 1e-3, mx.float16: 2e-2, mx.bfloat16: 4e-2}
-# The head dims at which `auto` routes to the CUDA kernel. None: on the H200 it loses to MLX's own
-# path at every head dim (scripts/bench-attention.py, docs/BENCHMARKS.md: 4-9x cuDNN's time at
-# 64 and 128, 3.5-7x the unfused path's at 256), so `auto` keeps mlx-lm's attention there; the
-# kernel runs when the walk asks for the prefix read in place (attention "tiled"), where its
-# memory stays flat.
-CUDA_HEAD_DIMS: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -51,6 +44,7 @@ class Case:
     dim: int
     groups: int
     op: str = "attention"
+    store: mx.Dtype | None = None  # attention: the K/V store's dtype (None: the inputs')
 
     def __str__(self) -> str:
         if self.op == "delta":
@@ -60,7 +54,14 @@ class Case:
             return (f"{self.backend} {name} gated_delta_update {self.op.split()[1]} heads, dims "
                     f"{self.dim}/{self.groups}")  # fmt: skip
         name = str(self.dtype).removeprefix("mlx.core.")
-        return f"{self.backend} {name} head dim {self.dim} GQA {self.groups}"
+        store = f" ({str(self.store).removeprefix('mlx.core.')} store)" if self.store else ""
+        return f"{self.backend} {name} head dim {self.dim} GQA {self.groups}{store}"
+
+
+def relative_error(a: mx.array, b: mx.array) -> float:
+    """|a - b| / |b| in float32 (L2 over every element)."""
+    a, b = a.astype(mx.float32), b.astype(mx.float32)
+    return (mx.linalg.norm((a - b).reshape(-1)) / (mx.linalg.norm(b.reshape(-1)) + 1e-30)).item()
 
 
 Checker = Callable[[Case], dict[str, float]]  # relative errors by kernel, kernel vs twin
@@ -87,31 +88,18 @@ def mode() -> str:
     return value
 
 
-def case_of(q: mx.array, k: mx.array) -> Case | None:
+def attention_case(q: mx.array, k: mx.array, store: mx.Dtype | None = None) -> Case | None:
+    """The case of an attention call (None on the CPU)."""
     b = backend()
-    return None if b is None else Case(b, q.dtype, q.shape[-1], q.shape[1] // k.shape[1])
+    if b is None:
+        return None
+    return Case(b, q.dtype, q.shape[-1], q.shape[1] // k.shape[1], store=store)
 
 
-def use_kernel(
-    q: mx.array,
-    k: mx.array,
-    store_dtype: mx.Dtype | None,
-    auto: bool,
-    check: Checker,
-    race: Racer,
-) -> bool:
-    """Whether this call runs the attention kernels; `auto`: the walk left the path to us (on
-    CUDA the kernel then runs only at the head dims where it was measured to win). `check`
-    compares the kernels with their twin on a small case (the self-check, once per case);
-    `race` times both (on Metal, once per case)."""
-    case = case_of(q, k)
-    if mode() == "off" or case is None:
-        return False
-    if not attention_kernels.supports(q, k, store_dtype):
-        return False
-    if auto and case.backend == "cuda" and case.dim not in CUDA_HEAD_DIMS and mode() != "on":
-        return False
-    return decide(case, check, race)
+def forced() -> bool:
+    """MLXWALK_KERNELS=on or check: every kernel that passes its self-check runs, whatever the
+    measured tables and the Metal race say (check then compares it with its twin on each call)."""
+    return mode() in ("on", "check")
 
 
 def decide(case: Case, check: Checker, race: Racer | None = None) -> bool:
@@ -119,7 +107,7 @@ def decide(case: Case, check: Checker, race: Racer | None = None) -> bool:
     if case not in _verdicts:
         ok = self_check(case, check)
         kind = case.op.split()[0]
-        raced = RACE and kind in RACE and race is not None and mode() != "on"
+        raced = RACE and kind in RACE and race is not None and not forced()
         if ok and case.backend == "metal" and raced:
             ok = won_race(case, race)
         _verdicts[case] = ok

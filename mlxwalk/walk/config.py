@@ -26,7 +26,7 @@ class WalkConfig:
     seed: int | None = None  # seeds dropout per chunk, identically in the decode and the graph
     follow_runs: bool = True  # chunks never cross a change of weight (see plan.cut)
     accumulator_dtype: str = "float32"
-    attention: str = "auto"  # "tiled" (chunk_attention), "fused" (mlx-lm's); auto: ops/kernels.py
+    attention: str = "auto"  # "tiled" (chunk_attention), "fused" (mlx-lm's); auto: ops.attention
     strict_exact: bool = False  # refuse a window the memory budget would narrow the horizon of
 
     def check(self) -> WalkConfig:

@@ -22,6 +22,8 @@ from contextlib import contextmanager
 import mlx.core as mx
 import mlx.nn as nn
 
+import metal_kernels.attention as attention_kernels
+
 from .. import routing
 from . import check, kernel, twin
 from .prefix import Prefix
@@ -36,13 +38,30 @@ PATHS = {
 }
 
 
-def path(q: mx.array, k: mx.array, prefix: Prefix | None, auto: bool = False) -> str:
-    """Which implementation runs: the kernels where they apply and passed the self-check."""
+# The head dims at which `auto` routes to the CUDA kernel. None: on the H200 it loses to MLX's own
+# path at every head dim (scripts/bench-attention.py, docs/BENCHMARKS.md: 3.6-8.9x cuDNN's time
+# at 64 and 128, 3.6-7.0x the unfused path's at 256), so `auto` keeps mlx-lm's attention there;
+# the kernel runs when the walk asks for the prefix read in place (attention "tiled"), where its
+# memory stays flat.
+CUDA_HEAD_DIMS: tuple[int, ...] = ()
+
+
+def path(
+    q: mx.array, k: mx.array, prefix: Prefix | None, auto: bool = False, v: mx.array | None = None
+) -> str:
+    """Which implementation runs: the kernels where they apply and passed the self-check (per
+    dtype, head dim, GQA ratio and store dtype); `auto`: the walk left the path to us (on CUDA
+    the kernel then runs only at the head dims where it was measured to win)."""
     arrays = prefix.in_place() if prefix is not None else (k, k)
-    usable = arrays is not None and routing.use_kernel(
-        q, k, arrays[0].dtype, auto, check.kernel_vs_twin, check.race
-    )
-    if not usable:
+    store = arrays[0].dtype if arrays is not None and prefix is not None else None
+    case = routing.attention_case(q, k, store)
+    if case is None or routing.mode() == "off" or arrays is None:
+        return "twin"
+    if not attention_kernels.supports(q, k, k if v is None else v, arrays[0].dtype):
+        return "twin"
+    if auto and case.backend == "cuda" and case.dim not in CUDA_HEAD_DIMS and not routing.forced():
+        return "twin"
+    if not routing.decide(case, check.kernel_vs_twin, check.race):
         return "twin"
     return "check" if routing.mode() == "check" else "kernel"
 
@@ -63,7 +82,7 @@ def chunk_attention(
     q (B, Hq, L, D), k and v (B, Hkv, L, D) are the chunk's own; prefix the cached [0, start);
     taps, if given, are zero deltas on [grad_from, start) whose gradient is dL/d(cached K/V)."""
     gf = grad_from if taps is not None else (prefix.end if prefix is not None else 0)
-    forward, backward = PATHS[path(q, k, prefix, auto)]
+    forward, backward = PATHS[path(q, k, prefix, auto, v)]
 
     @mx.custom_function
     def attend(*inputs):
@@ -90,7 +109,7 @@ def _attend(queries, keys, values, cache, scale, mask, sinks=None):
         args = (queries, cache.keys, cache.values, cache.prefix, cache.grad_from, cache.taps)
         if how == "tiled" or not mx.cuda.is_available():
             return chunk_attention(*args, scale)
-        if path(queries, cache.keys, cache.prefix, auto=True) != "twin":
+        if path(queries, cache.keys, cache.prefix, auto=True, v=cache.values) != "twin":
             return chunk_attention(*args, scale, auto=True)
     return _original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
 

@@ -13,14 +13,12 @@ from .. import routing
 from . import kernel, twin
 from .prefix import Prefix
 
-
-def relative_error(a: mx.array, b: mx.array) -> float:
-    a, b = a.astype(mx.float32), b.astype(mx.float32)
-    return (mx.linalg.norm((a - b).reshape(-1)) / (mx.linalg.norm(b.reshape(-1)) + 1e-30)).item()
+relative_error = routing.relative_error
 
 
-def _compare(name: str, q, k, got, want) -> None:
-    case = routing.case_of(q, k)
+def _compare(name: str, q, k, got, want, prefix) -> None:
+    arrays = prefix.in_place() if prefix is not None else None
+    case = routing.attention_case(q, k, arrays[0].dtype if arrays is not None else None)
     error = max(relative_error(a, b) for a, b in zip(got, want))
     if error > routing.TOLERANCE[q.dtype]:
         routing.report(name, case, f"disagrees with the ops twin (relative error {error:.1e})")
@@ -31,7 +29,7 @@ def checked_forward(q, k, v, prefix, grad_from, scale, tile):
     """Both paths, compared; the twin's result goes on (a mismatch turns the kernel off)."""
     out, lse = twin.forward(q, k, v, prefix, grad_from, scale, tile)
     got, _ = kernel.forward(q, k, v, prefix, grad_from, scale, tile)
-    _compare("attention/forward", q, k, [got], [out])
+    _compare("attention/forward", q, k, [got], [out], prefix)
     return out, lse
 
 
@@ -39,7 +37,7 @@ def checked_backward(q, k, v, prefix, grad_from, scale, tile, out, lse, d_out):
     want = twin.backward(q, k, v, prefix, grad_from, scale, tile, out, lse, d_out)
     k_out, k_lse = kernel.forward(q, k, v, prefix, grad_from, scale, tile)
     got = kernel.backward(q, k, v, prefix, grad_from, scale, tile, k_out, k_lse, d_out)
-    _compare("attention/dq, attention/dkdv", q, k, got, want)
+    _compare("attention/dq, attention/dkdv", q, k, got, want, prefix)
     return want
 
 
@@ -108,8 +106,9 @@ def errors(case: routing.Case, sizes: Sizes = Sizes(), store: mx.Dtype | None = 
 
 def kernel_vs_twin(case: routing.Case) -> dict[str, float]:
     """The self-check: the kernels against the twin on a small case, in the case's dtype."""
-    got = run(case, Sizes(), mx.float32, "kernel")
-    want = run(case, Sizes(), mx.float32, "twin")
+    store = case.store or case.dtype  # the instantiation the walk will call
+    got = run(case, Sizes(), store, "kernel")
+    want = run(case, Sizes(), store, "twin")
     e = {k: relative_error(got[k], want[k]) for k in want}
     return {
         "attention/forward": e["out"],
