@@ -25,7 +25,7 @@ from mlx_lm.models.gated_delta import gated_delta_ops  # noqa: E402
 
 from mlxwalk import bench  # noqa: E402
 from mlxwalk.exactness import prepare  # noqa: E402
-from mlxwalk.ops import delta  # noqa: E402
+from mlxwalk.ops import delta, delta_scan  # noqa: E402
 from mlxwalk.ops.delta import gated_delta  # noqa: E402
 from mlxwalk.training import models  # noqa: E402
 
@@ -135,7 +135,7 @@ def kernels(a) -> int:
             delta.CHUNK = c
             for path, mode in (("ops twin", "off"), ("scan kernels", "auto")):
                 os.environ["MLXWALK_KERNELS"] = mode
-                if mode == "auto" and not delta.use_kernel(a.dim, min(c, t)):
+                if mode == "auto" and not delta_scan.use_kernel(a.dim, min(c, t)):
                     print(f"| {t} | {c} | {path} | no kernel here | |", flush=True)
                     continue
                 s, m = fwd_bwd(gated_delta, xs, max(2, a.repeats))

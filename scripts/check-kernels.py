@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import mlx.core as mx  # noqa: E402
 
 from metal_kernels import build, harness  # noqa: E402
-from mlxwalk.ops import delta, routing  # noqa: E402
+from mlxwalk.ops import delta_scan, routing  # noqa: E402
 from mlxwalk.ops.attention import check  # noqa: E402
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -52,7 +52,7 @@ def check_delta(backend: str, small: bool) -> int:
     print("| key dim | chunk | scan error | reverse scan error | ok |\n|---:|---:|---:|---:|---|")
     failed = 0
     for dk, c in ((64, 64), (128, 64), (128, 256)) if not small else ((64, 16), (128, 40)):
-        e = delta.kernel_vs_twin(routing.Case(backend, mx.float32, dk, c, op="delta"), n, dv)
+        e = delta_scan.kernel_vs_twin(routing.Case(backend, mx.float32, dk, c, op="delta"), n, dv)
         ok = max(e.values()) <= 1e-5
         failed += not ok
         print(f"| {dk} | {c} | {e['delta/scan']:.2e} | {e['delta/scan_back']:.2e} | "

@@ -7,7 +7,7 @@ import pytest
 
 import metal_kernels.delta as delta_kernels
 from metal_kernels import build, harness
-from mlxwalk.ops import delta, routing
+from mlxwalk.ops import delta, delta_scan, routing
 
 F32 = 1e-5
 
@@ -23,7 +23,7 @@ def on_harness(monkeypatch):
 
 @pytest.mark.parametrize("dk, chunk", [(32, 16), (64, 40), (128, 64)])
 def test_scans_match_the_ops_recurrence(on_harness, dk, chunk):
-    errors = delta.kernel_vs_twin(routing.Case("metal", mx.float32, dk, chunk, op="delta"))
+    errors = delta_scan.kernel_vs_twin(routing.Case("metal", mx.float32, dk, chunk, op="delta"))
     assert max(errors.values()) < F32, errors
 
 
@@ -49,10 +49,10 @@ def test_the_op_on_the_kernels_matches_the_ops(on_harness, monkeypatch, chunk):
     x = inputs()
     cots = [mx.array(np.random.default_rng(1).standard_normal((1, 100, 2, 16)).astype(np.float32)),
             mx.ones((1, 2, 16, 32))]  # fmt: skip
-    assert delta.use_kernel(32, chunk)
+    assert delta_scan.use_kernel(32, chunk)
     got = mx.vjp(delta.gated_delta, x, cots)
     monkeypatch.setenv("MLXWALK_KERNELS", "off")
-    assert not delta.use_kernel(32, chunk)
+    assert not delta_scan.use_kernel(32, chunk)
     want = mx.vjp(delta.gated_delta, x, cots)
     for a, b in zip([*got[0], *got[1]], [*want[0], *want[1]]):
         err = (mx.linalg.norm((a - b).reshape(-1)) / mx.linalg.norm(b.reshape(-1))).item()
@@ -77,7 +77,7 @@ def test_mlx_renders_both_scans():
 
 def test_a_failing_scan_falls_back_with_one_line(on_harness, monkeypatch, capsys):
     monkeypatch.setattr(routing, "launch", lambda call: [a * 1.5 for a in harness.launch(call)])
-    assert not delta.use_kernel(64, 16)
+    assert not delta_scan.use_kernel(64, 16)
     err = capsys.readouterr().err
     assert err.count("\n") == 1
     assert "disagrees with the ops twin" in err and "metal delta rule key dim 64 chunk 16" in err
@@ -103,7 +103,7 @@ def test_the_harness_catches_a_broken_scan(on_harness, monkeypatch, stem, old, n
     monkeypatch.setattr(build, "source", mutated)
     build.kernel.cache_clear()
     try:
-        errors = delta.kernel_vs_twin(routing.Case("metal", mx.float32, 32, 16, op="delta"))
+        errors = delta_scan.kernel_vs_twin(routing.Case("metal", mx.float32, 32, 16, op="delta"))
     finally:
         monkeypatch.undo()
         build.kernel.cache_clear()
@@ -115,16 +115,16 @@ def test_delta_routing(monkeypatch):
     case = routing.Case("cuda", mx.float32, 64, 16, op="delta")
     monkeypatch.setattr(routing, "_verdicts", {case: True})
     monkeypatch.delenv("MLXWALK_KERNELS", raising=False)
-    assert not delta.use_kernel(64, 16)  # CUDA: measured slower than the ops
+    assert not delta_scan.use_kernel(64, 16)  # CUDA: measured slower than the ops
     monkeypatch.setenv("MLXWALK_KERNELS", "on")
-    assert delta.use_kernel(64, 16)
-    assert not delta.use_kernel(80, 16)  # a key dim the scans do not take
-    assert not delta.use_kernel(64, 512)  # nor a chunk past their threadgroup memory
+    assert delta_scan.use_kernel(64, 16)
+    assert not delta_scan.use_kernel(80, 16)  # a key dim the scans do not take
+    assert not delta_scan.use_kernel(64, 512)  # nor a chunk past their threadgroup memory
 
 
 def test_on_metal_slower_scans_are_not_used(on_harness, monkeypatch, capsys):
     monkeypatch.setattr(routing, "RACE", {"delta": (4, 1)})
-    assert not delta.use_kernel(32, 16)  # the harness (threads on a CPU) loses to the ops
+    assert not delta_scan.use_kernel(32, 16)  # the harness (threads on a CPU) loses to the ops
     err = capsys.readouterr().err
     assert err.startswith("mlxwalk: kernel delta took ") and err.count("\n") == 1
     assert "on metal delta rule key dim 32 chunk 16 (4 chunks, 1 value heads" in err

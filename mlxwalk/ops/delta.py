@@ -14,9 +14,10 @@ carry S. The custom VJP recomputes the forward and differentiates it (activation
 the op), so between forward and backward nothing but the inputs is held; the triangular inverse
 has its own VJP (dA = -T^T dT T^T) so its substitution is never differentiated step by step.
 
-The sequential part runs as two kernels where a GPU takes them (metal_kernels/delta: the scan
-and the reverse scan, one launch each instead of several per chunk), checked at first use against
-the ops recurrence here, which stays the reference, the fallback and the CPU path.
+The sequential part is delta_recurrence.py's in MLX ops, or, where a GPU takes them and they are
+routed, delta_scan.py's kernels (metal_kernels/delta: the scan and the reverse scan, one launch
+each instead of several per chunk). On Metal a layer may instead go to MLX's own
+`mx.fast.gated_delta_update` (checked and raced first, below).
 
 Inputs follow mlx-lm's `gated_delta_ops`: q, k (B, T, Hk, Dk); v (B, T, Hv, Dv) with Hv a multiple
 of Hk; log_g and beta (B, T, Hv) (scalar gates, given as log g for range); state (B, Hv, Dv, Dk),
@@ -34,9 +35,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-import metal_kernels.delta as delta_kernels
-
 from . import routing
+from .delta_recurrence import _recurrence_with_states, _walk_chunks
+from .delta_scan import _kernel_recurrence, _kernel_scan, use_kernel
 
 CHUNK: int | None = None  # positions per chunk; None: chunk_size() picks by backend
 
@@ -127,155 +128,6 @@ def _chunks(x: mx.array, n: int, c: int) -> mx.array:
     return x.transpose(1, 0, 3, 2, *range(4, 4 + len(rest)))
 
 
-def _walk_chunks(u0, w, qg, p, kd, g_end, s, keep: bool = True):
-    """The sequential part: carry the state through the chunks; (outputs, exit, entry states),
-    the entry states only if `keep` (the VJP's)."""
-    outs, entries = [], []
-    for i in range(u0.shape[0]):
-        if keep:
-            entries.append(s)
-        st = s.swapaxes(-1, -2)  # (B, H, Dk, Dv)
-        u = u0[i] - w[i] @ st
-        outs.append(qg[i] @ st + p[i] @ u)
-        s = g_end[i] * s + u.swapaxes(-1, -2) @ kd[i]
-    return mx.stack(outs), s, (mx.stack(entries) if keep else None)
-
-
-@mx.custom_function
-def _recurrence_with_states(u0, w, qg, p, kd, g_end, s):
-    return _walk_chunks(u0, w, qg, p, kd, g_end, s)
-
-
-@_recurrence_with_states.vjp
-def _recurrence_vjp(primals, cotangents, outputs):
-    """The chunk recurrence's adjoint, walked in reverse; per-chunk gradients are stacked
-    (differentiating slices instead would scatter each into a full-size zero array)."""
-    u0, w, qg, p, kd, g_end, _ = primals
-    d_out, ds = cotangents[0], cotangents[1]
-    entries = outputs[2]
-    grads = {k: [] for k in ("u0", "w", "qg", "p", "kd", "g")}
-    for i in reversed(range(u0.shape[0])):
-        s, do = entries[i], d_out[i]
-        u = u0[i] - w[i] @ s.swapaxes(-1, -2)
-        du = p[i].swapaxes(-1, -2) @ do + kd[i] @ ds.swapaxes(-1, -2)
-        grads["p"].append(do @ u.swapaxes(-1, -2))
-        grads["qg"].append(do @ s)
-        grads["kd"].append(u @ ds)
-        grads["g"].append((ds * s).sum(axis=(-1, -2), keepdims=True))
-        grads["u0"].append(du)
-        grads["w"].append(-(du @ s))
-        ds = g_end[i] * ds + do.swapaxes(-1, -2) @ qg[i] - du.swapaxes(-1, -2) @ w[i]
-    g = {k: mx.stack(v[::-1]) for k, v in grads.items()}
-    return g["u0"], g["w"], g["qg"], g["p"], g["kd"], g["g"], ds
-
-
-def _flat(x: mx.array) -> mx.array:
-    """(n, B, Hk, r, ...) -> (n, B Hk r, ...): the kernels' heads."""
-    return x.reshape(x.shape[0], -1, *x.shape[4:])
-
-
-def _kernel_scan(u0, w, qg, p, kd, g_end, s, keep: bool = True):
-    """The forward scan kernel: (outputs, exit state, entry states or a placeholder)."""
-    n, lead = u0.shape[0], u0.shape[:4]
-    heads = s.reshape(-1, *s.shape[-2:])
-    call = delta_kernels.scan_launch(_flat(u0), _flat(w), _flat(qg), _flat(p), _flat(kd),
-                                     g_end.reshape(n, -1), heads, keep)  # fmt: skip
-    o, entries, s_out = routing.launch(call)
-    entries = entries.reshape(*lead, *s.shape[-2:]) if keep else entries
-    return o.reshape(u0.shape), s_out.reshape(s.shape), entries
-
-
-@mx.custom_function
-def _kernel_recurrence(u0, w, qg, p, kd, g_end, s):
-    return _kernel_scan(u0, w, qg, p, kd, g_end, s)
-
-
-@_kernel_recurrence.vjp
-def _kernel_recurrence_vjp(primals, cotangents, outputs):
-    """The reverse scan kernel gives dS leaving each chunk and du; the rest is per chunk, in
-    parallel (the same products as _recurrence_vjp's)."""
-    u0, w, qg, p, kd, g_end, s = primals
-    d_out, ds = cotangents[0], cotangents[1]
-    entries = outputs[2]  # (n, B, Hk, r, Dv, Dk)
-    call = delta_kernels.scan_back_launch(_flat(w), _flat(qg), _flat(p), _flat(kd),
-                                          g_end.reshape(u0.shape[0], -1), _flat(d_out),
-                                          ds.reshape(-1, *ds.shape[-2:]))  # fmt: skip
-    ds_exit, du, ds0 = routing.launch(call)
-    ds_exit, du = ds_exit.reshape(entries.shape), du.reshape(u0.shape)
-    u = u0 - w @ entries.swapaxes(-1, -2)  # (n, B, Hk, r, c, Dv)
-    dg = (ds_exit * entries).sum(axis=(-1, -2), keepdims=True)
-    return (du, -(du @ entries), d_out @ entries, d_out @ u.swapaxes(-1, -2), u @ ds_exit, dg,
-            ds0.reshape(s.shape))  # fmt: skip
-
-
-def _kernel_case(dk: int, chunk: int) -> routing.Case | None:
-    b = routing.backend()
-    if b is None or routing.mode() == "off" or not delta_kernels.supports(dk, chunk):
-        return None
-    return routing.Case(b, mx.float32, dk, chunk, op="delta")
-
-
-# On CUDA the scans lose to the ops at the GPU's chunk of 256 (scripts/bench-delta.py --kernels,
-# docs/BENCHMARKS.md), so `auto` keeps the ops there; MLXWALK_KERNELS=on runs them.
-CUDA_SCANS = False
-
-
-def use_kernel(dk: int, chunk: int) -> bool:
-    """Whether the recurrence runs on the scan kernels (self-checked once per case; on Metal
-    raced against the ops at first use)."""
-    case = _kernel_case(dk, chunk)
-    if case is None or (case.backend == "cuda" and not CUDA_SCANS and not routing.forced()):
-        return False
-    return routing.decide(case, kernel_vs_twin, race)
-
-
-def _case(case: routing.Case, n: int, dv: int, heads: int) -> tuple[list, list]:
-    """Recurrence inputs and cotangents for a case: n chunks, a non-zero initial state."""
-    rng = np.random.default_rng(0)
-    c, dk = case.groups, case.dim
-    lead = (n, 1, 1, heads)
-
-    def normal(*shape, scale=0.1):
-        return mx.array((scale * rng.standard_normal(shape)).astype(np.float32))
-
-    p = normal(*lead, c, c) * mx.tril(mx.ones((c, c)))
-    g_end = mx.array(rng.uniform(0.5, 1.0, (*lead, 1, 1)).astype(np.float32))
-    inputs = [normal(*lead, c, dv), normal(*lead, c, dk), normal(*lead, c, dk), p,
-              normal(*lead, c, dk), g_end, normal(1, 1, heads, dv, dk, scale=1.0)]  # fmt: skip
-    cots = [normal(*lead, c, dv, scale=1.0), normal(1, 1, heads, dv, dk, scale=1.0)]
-    return inputs, cots
-
-
-def race(case: routing.Case, size: tuple[int, int]) -> tuple[float, float]:
-    """Seconds for the recurrence forward and backward, scans then ops (median of three after a
-    warm-up): `size` = (chunks, value heads of dim 128)."""
-    inputs, cots = _case(case, size[0], 128, size[1])
-    seconds = []
-    for fn in (_kernel_recurrence, _recurrence_with_states):
-        step = lambda f=fn: mx.eval(mx.vjp(lambda *a: f(*a)[:2], inputs, cots))  # noqa: E731
-        step()
-        times = []
-        for _ in range(3):
-            t = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t)
-        seconds.append(sorted(times)[1])
-    return seconds[0], seconds[1]
-
-
-def kernel_vs_twin(case: routing.Case, n: int = 3, dv: int = 32) -> dict[str, float]:
-    """The self-check: the scan kernels against the ops recurrence on a small case (n chunks, a
-    non-zero initial state, two value heads), forward and backward."""
-    inputs, cots = _case(case, n, dv, 2)
-    got = mx.vjp(lambda *a: _kernel_recurrence(*a)[:2], inputs, cots)
-    want = mx.vjp(lambda *a: _recurrence_with_states(*a)[:2], inputs, cots)
-
-    return {
-        "delta/scan": max(routing.relative_error(a, b) for a, b in zip(got[0], want[0])),
-        "delta/scan_back": max(routing.relative_error(a, b) for a, b in zip(got[1], want[1])),
-    }
-
-
 def recurrence(u0, w, qg, p, kd, g_end, s, differentiable: bool = True):
     """(outputs, exit state) of the chunk recurrence; entry states are kept for the VJP only.
     On the scan kernels where they apply (MLXWALK_KERNELS=check: compared with the ops, whose
@@ -288,19 +140,11 @@ def recurrence(u0, w, qg, p, kd, g_end, s, differentiable: bool = True):
         got = _kernel_scan(u0, w, qg, p, kd, g_end, s, keep=False)[:2]
         want = _walk_chunks(u0, w, qg, p, kd, g_end, s, keep=False)[:2]
         case = routing.Case(routing.backend(), mx.float32, w.shape[-1], u0.shape[-2], op="delta")
-        _compare(got, want, case, "delta/scan")
+        routing.compare(got, want, case, "delta/scan")
     if not differentiable:
         return _walk_chunks(u0, w, qg, p, kd, g_end, s, keep=False)[:2]
     o, s_exit, _ = _recurrence_with_states(u0, w, qg, p, kd, g_end, s)
     return o, s_exit
-
-
-def _compare(got, want, case: routing.Case, name: str) -> None:
-    """MLXWALK_KERNELS=check: a disagreement is named and turns that path off."""
-    error = max(routing.relative_error(a, b) for a, b in zip(got, want))
-    if error > routing.TOLERANCE[case.dtype]:
-        routing.report(name, case, f"disagrees with the ops twin (relative error {error:.1e})")
-        routing.disable(case)
 
 
 def gated_delta_chunked(q, k, v, log_g, beta, state, differentiable: bool = True):
@@ -388,7 +232,7 @@ def gated_delta_update(
             return mlx_fast(q, k, v, log_g, beta, state)
         got = mlx_fast(q, k, v, log_g, beta, state)
         want = gated_delta(q, k, v, log_g, beta, state)
-        _compare(got, want, _mlx_fast_case(q, v), "mlx gated_delta_update")
+        routing.compare(got, want, _mlx_fast_case(q, v), "mlx gated_delta_update")
         return want
     return gated_delta(q, k, v, log_g, beta, state)
 

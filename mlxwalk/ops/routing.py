@@ -157,3 +157,11 @@ def self_check(case: Case, check: Checker) -> bool:
         report(worst, case, f"disagrees with the ops twin (relative error {errors[worst]:.1e})")
         return False
     return True
+
+
+def compare(got: list, want: list, case: Case, name: str) -> None:
+    """MLXWALK_KERNELS=check: a disagreement is named and turns that path off."""
+    error = max(relative_error(a, b) for a, b in zip(got, want))
+    if error > TOLERANCE[case.dtype]:
+        report(name, case, f"disagrees with the ops twin (relative error {error:.1e})")
+        disable(case)

@@ -1,0 +1,49 @@
+"""The gated delta rule's chunk recurrence in MLX ops: the state carried through the chunks, and
+its adjoint walked in reverse. The reference and the fallback of the scan kernels
+(delta_scan.py), and the CPU path; delta.py builds the chunk factors it consumes."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+
+def _walk_chunks(u0, w, qg, p, kd, g_end, s, keep: bool = True):
+    """The sequential part: carry the state through the chunks; (outputs, exit, entry states),
+    the entry states only if `keep` (the VJP's)."""
+    outs, entries = [], []
+    for i in range(u0.shape[0]):
+        if keep:
+            entries.append(s)
+        st = s.swapaxes(-1, -2)  # (B, H, Dk, Dv)
+        u = u0[i] - w[i] @ st
+        outs.append(qg[i] @ st + p[i] @ u)
+        s = g_end[i] * s + u.swapaxes(-1, -2) @ kd[i]
+    return mx.stack(outs), s, (mx.stack(entries) if keep else None)
+
+
+@mx.custom_function
+def _recurrence_with_states(u0, w, qg, p, kd, g_end, s):
+    return _walk_chunks(u0, w, qg, p, kd, g_end, s)
+
+
+@_recurrence_with_states.vjp
+def _recurrence_vjp(primals, cotangents, outputs):
+    """The chunk recurrence's adjoint, walked in reverse; per-chunk gradients are stacked
+    (differentiating slices instead would scatter each into a full-size zero array)."""
+    u0, w, qg, p, kd, g_end, _ = primals
+    d_out, ds = cotangents[0], cotangents[1]
+    entries = outputs[2]
+    grads = {k: [] for k in ("u0", "w", "qg", "p", "kd", "g")}
+    for i in reversed(range(u0.shape[0])):
+        s, do = entries[i], d_out[i]
+        u = u0[i] - w[i] @ s.swapaxes(-1, -2)
+        du = p[i].swapaxes(-1, -2) @ do + kd[i] @ ds.swapaxes(-1, -2)
+        grads["p"].append(do @ u.swapaxes(-1, -2))
+        grads["qg"].append(do @ s)
+        grads["kd"].append(u @ ds)
+        grads["g"].append((ds * s).sum(axis=(-1, -2), keepdims=True))
+        grads["u0"].append(du)
+        grads["w"].append(-(du @ s))
+        ds = g_end[i] * ds + do.swapaxes(-1, -2) @ qg[i] - du.swapaxes(-1, -2) @ w[i]
+    g = {k: mx.stack(v[::-1]) for k, v in grads.items()}
+    return g["u0"], g["w"], g["qg"], g["p"], g["kd"], g["g"], ds
