@@ -5,7 +5,7 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "mlxwalk"
-LAYERS = {"plan": 0, "ops": 1, "walk": 2, "training": 3, "plugin": 4}
+LAYERS = {"plan": 0, "ops": 1, "torch_backend": 1, "walk": 2, "training": 3, "plugin": 4}
 
 
 def modules() -> dict[str, Path]:
@@ -100,3 +100,12 @@ def test_kernels_import_nothing_of_mlxwalk():
                 names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
                 module = getattr(node, "module", None) or ""
                 assert not any(n.startswith("mlxwalk") for n in [module, *names]), path
+
+
+def test_only_the_torch_backend_imports_torch():
+    """The torch backend is imported only when asked for: no other module imports it or torch."""
+    for name, path in modules().items():
+        if name.startswith("mlxwalk.torch_backend"):
+            continue
+        text = path.read_text()
+        assert "torch_backend" not in text and "import torch" not in text, name
