@@ -34,6 +34,14 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _convert_adapter(args: argparse.Namespace) -> int:
+    from .training.convert import convert
+
+    written = convert(args.src, args.dst, args.model)
+    print(f"{args.dst}: the adapter in {'mlx-lm' if written == 'mlx' else 'PEFT'}'s format")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mlxwalk", description=__doc__)
     sub = p.add_subparsers(dest="command")
@@ -46,6 +54,12 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("-m", "--model", help="a model folder or hub id (default: every bundled model)")
     t.add_argument("--json", action="store_true", help="print the rows as JSON")
     t.set_defaults(run=_test_walk_exact)
+
+    c = sub.add_parser("convert-adapter", help="a LoRA adapter from PEFT to mlx-lm or back")
+    c.add_argument("src", help="a folder holding adapter_model.safetensors or adapters.safetensors")
+    c.add_argument("dst", help="a new or empty folder for the other format")
+    c.add_argument("--model", help="the base model's folder (its layer count, PEFT to mlx-lm)")
+    c.set_defaults(run=_convert_adapter)
 
     p_plan = sub.add_parser("plan", help="what a walk will need, and whether it fits")
     add_flags(p_plan, plan=True)

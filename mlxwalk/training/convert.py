@@ -1,0 +1,132 @@
+"""LoRA adapters across frameworks, both ways: PEFT's (`adapter_model.safetensors` +
+`adapter_config.json`, for transformers) and mlx-lm's (`adapters.safetensors` +
+`adapter_config.json`). A LoRA layer adds scale * (x A) B to a linear layer's output; mlx-lm
+keeps lora_a (in x r), lora_b (r x out) and the scale, PEFT keeps lora_A.weight (r x in),
+lora_B.weight (out x r) and alpha, with scale = alpha / r (alpha / sqrt(r) under rsLoRA).
+No framework is needed for it: the arrays are transposed and the configs rewritten.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import mlx.core as mx
+
+from ..plan import PlanError
+from .files import TMP_MARK
+
+PEFT_WEIGHTS, MLX_WEIGHTS, CONFIG = (
+    "adapter_model.safetensors",
+    "adapters.safetensors",
+    "adapter_config.json",
+)
+_PEFT_KEY = re.compile(
+    r"^base_model\.model\.(.+\.layers\.(\d+)\.(.+))\.lora_([AB])(?:\.default)?\.weight$"
+)
+_MLX_KEY = re.compile(r"^(.+\.layers\.(\d+)\.(.+))\.lora_([ab])$")
+
+
+def kind(folder: Path) -> str:
+    """ "peft" or "mlx", by the weights file the folder holds."""
+    folder = Path(folder)
+    if (folder / PEFT_WEIGHTS).is_file():
+        return "peft"
+    if (folder / MLX_WEIGHTS).is_file():
+        return "mlx"
+    raise PlanError(f"{folder}: no adapter there (neither {PEFT_WEIGHTS} nor {MLX_WEIGHTS})")
+
+
+def _config(folder: Path) -> dict:
+    try:
+        return json.loads((Path(folder) / CONFIG).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise PlanError(f"{Path(folder) / CONFIG}: cannot be read ({e})") from None
+
+
+def _layer_count(model: Path) -> int:
+    config = json.loads((Path(model) / "config.json").read_text())
+    config = config.get("text_config", config)
+    return int(config["num_hidden_layers"])
+
+
+def peft_to_mlx(src: Path, model: Path | None = None) -> tuple[dict, dict]:
+    """(weights, config) in mlx-lm's format. mlx-lm adapts the last num_layers layers, so the
+    layer count comes from the base model's config.json (`model`, else the folder PEFT names)."""
+    cfg = _config(src)
+    if cfg.get("peft_type", "").upper() != "LORA" or cfg.get("use_dora"):
+        raise PlanError(f"{src}: a {cfg.get('peft_type')} adapter; only LoRA converts")
+    r, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
+    scale = alpha / (math.sqrt(r) if cfg.get("use_rslora") else r)
+    model = Path(model or cfg.get("base_model_name_or_path") or "")
+    if not (model / "config.json").is_file():
+        raise PlanError(f"{src}: give the base model's folder (--model) to count its layers")
+    total = _layer_count(model)
+    weights, layers, keys = {}, set(), set()
+    for name, w in mx.load(str(Path(src) / PEFT_WEIGHTS)).items():
+        m = _PEFT_KEY.match(name)
+        if m is None:
+            raise PlanError(f"{src}: {name} is not a LoRA weight of a decoder layer")
+        path, layer, key, ab = m.groups()
+        weights[f"{path}.lora_{ab.lower()}"] = w.T  # A (r, in) -> lora_a (in, r); B likewise
+        layers.add(int(layer))
+        keys.add(key)
+    n = len(layers)
+    if sorted(layers) != list(range(total - n, total)):
+        raise PlanError(f"{src}: adapters on layers {sorted(layers)} are not the model's last "
+                        f"{n} of {total}, the only set mlx-lm's adapter_config names")  # fmt: skip
+    lora = {"rank": r, "scale": scale, "dropout": float(cfg.get("lora_dropout") or 0.0),
+            "keys": sorted(keys)}  # fmt: skip
+    return weights, {"fine_tune_type": "lora", "num_layers": n, "lora_parameters": lora}
+
+
+def mlx_to_peft(src: Path, model: Path | None = None) -> tuple[dict, dict]:
+    """(weights, config) in PEFT's format, alpha = scale x r, the layers named explicitly."""
+    cfg = _config(src)
+    if cfg.get("fine_tune_type", "lora") != "lora":
+        raise PlanError(f"{src}: a {cfg['fine_tune_type']} adapter; only LoRA converts")
+    lp = cfg["lora_parameters"]
+    r, scale = int(lp["rank"]), float(lp["scale"])
+    weights, layers, keys = {}, set(), set()
+    for name, w in mx.load(str(Path(src) / MLX_WEIGHTS)).items():
+        m = _MLX_KEY.match(name)
+        if m is None:
+            raise PlanError(f"{src}: {name} is not a LoRA weight of a decoder layer")
+        path, layer, key, ab = m.groups()
+        weights[f"base_model.model.{path}.lora_{ab.upper()}.weight"] = w.T
+        layers.add(int(layer))
+        keys.add(key)
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": scale * r,
+        "lora_dropout": float(lp.get("dropout", 0.0)), "target_modules": sorted(keys),
+        "layers_to_transform": sorted(layers), "layers_pattern": "layers", "bias": "none",
+        "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "inference_mode": True,
+        "base_model_name_or_path": str(model) if model else None,
+    }  # fmt: skip
+    return weights, config
+
+
+def convert(src: Path, dst: Path, model: Path | None = None) -> str:
+    """Convert the adapter in `src` to the other format in `dst` (a new or empty folder, written
+    whole or not at all); returns the format written."""
+    src, dst = Path(src), Path(dst)
+    source = kind(src)
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise PlanError(f"{dst} exists and is not an empty folder")
+    weights, config = (peft_to_mlx if source == "peft" else mlx_to_peft)(src, model)
+    target = "mlx" if source == "peft" else "peft"
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}{TMP_MARK}", dir=dst.parent))
+    try:
+        mx.save_safetensors(str(tmp / (MLX_WEIGHTS if target == "mlx" else PEFT_WEIGHTS)),
+                            {k: mx.array(v) for k, v in weights.items()})  # fmt: skip
+        (tmp / CONFIG).write_text(json.dumps(config, indent=2))
+        os.replace(tmp, dst)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
