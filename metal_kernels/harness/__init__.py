@@ -26,7 +26,6 @@ HEADER = Path(__file__).resolve().parent / "metal.h"
 CACHE = Path(
     os.environ.get("MLXWALK_HARNESS_CACHE", Path(tempfile.gettempdir()) / "mlxwalk-harness")
 )
-_ATTRIBUTES = re.compile(r"\[\[(?!buffer)[a-z_]+\]\]")
 
 
 def render(call: Launch) -> str:

@@ -27,7 +27,6 @@ float32. Returns y (B, T, Hv, Dv) in q's dtype and the final state in float32.
 from __future__ import annotations
 
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -288,17 +287,9 @@ def mlx_fast_vs_ops(case: routing.Case) -> dict[str, float]:
 def mlx_fast_race(case: routing.Case, size: tuple[int, int]) -> tuple[float, float]:
     """Seconds for a layer's forward and backward over size[0] positions: MLX's op, then ours."""
     x, cots = _layer(case, size[0])
-    seconds = []
-    for fn in (mlx_fast, gated_delta):
-        step = lambda f=fn: mx.eval(mx.vjp(f, x, cots))  # noqa: E731
-        step()
-        times = []
-        for _ in range(3):
-            t = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t)
-        seconds.append(sorted(times)[1])
-    return seconds[0], seconds[1]
+    mlx_s, ours_s = (routing.seconds(lambda f=f: mx.eval(mx.vjp(f, x, cots)))
+                     for f in (mlx_fast, gated_delta))  # fmt: skip
+    return mlx_s, ours_s
 
 
 # The ops under mx.compile on the CPU (recompiled per distinct shape: a walk meets its chunk and

@@ -5,8 +5,6 @@ measured slower; on Metal raced at first use)."""
 
 from __future__ import annotations
 
-import time
-
 import mlx.core as mx
 import numpy as np
 
@@ -97,17 +95,13 @@ def race(case: routing.Case, size: tuple[int, int]) -> tuple[float, float]:
     """Seconds for the recurrence forward and backward, scans then ops (median of three after a
     warm-up): `size` = (chunks, value heads of dim 128)."""
     inputs, cots = _case(case, size[0], 128, size[1])
-    seconds = []
-    for fn in (_kernel_recurrence, _recurrence_with_states):
-        step = lambda f=fn: mx.eval(mx.vjp(lambda *a: f(*a)[:2], inputs, cots))  # noqa: E731
-        step()
-        times = []
-        for _ in range(3):
-            t = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t)
-        seconds.append(sorted(times)[1])
-    return seconds[0], seconds[1]
+
+    def step(f):
+        return mx.eval(mx.vjp(lambda *a: f(*a)[:2], inputs, cots))
+
+    scans_s, ops_s = (routing.seconds(lambda f=f: step(f))
+                      for f in (_kernel_recurrence, _recurrence_with_states))  # fmt: skip
+    return scans_s, ops_s
 
 
 def kernel_vs_twin(case: routing.Case, n: int = 3, dv: int = 32) -> dict[str, float]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -112,6 +113,18 @@ def decide(case: Case, check: Checker, race: Racer | None = None) -> bool:
             ok = won_race(case, race)
         _verdicts[case] = ok
     return _verdicts[case]
+
+
+def seconds(step: Callable[[], object]) -> float:
+    """A race's timing: the median of three runs of `step` after one to warm up (compiles,
+    allocations)."""
+    step()
+    times = []
+    for _ in range(3):
+        t = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t)
+    return sorted(times)[1]
 
 
 def won_race(case: Case, race: Racer) -> bool:

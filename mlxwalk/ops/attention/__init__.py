@@ -76,13 +76,15 @@ def chunk_attention(
     scale: float,
     tile: int = TILE,
     auto: bool = False,
+    how: str | None = None,
 ) -> mx.array:
     """softmax(q [prefix; k]^T * scale, causal in the chunk) [prefix; v], shape of q.
 
     q (B, Hq, L, D), k and v (B, Hkv, L, D) are the chunk's own; prefix the cached [0, start);
-    taps, if given, are zero deltas on [grad_from, start) whose gradient is dL/d(cached K/V)."""
+    taps, if given, are zero deltas on [grad_from, start) whose gradient is dL/d(cached K/V).
+    `how`: a path already decided by `path` (else decided here)."""
     gf = grad_from if taps is not None else (prefix.end if prefix is not None else 0)
-    forward, backward = PATHS[path(q, k, prefix, auto, v)]
+    forward, backward = PATHS[how or path(q, k, prefix, auto, v)]
 
     @mx.custom_function
     def attend(*inputs):
@@ -109,8 +111,9 @@ def _attend(queries, keys, values, cache, scale, mask, sinks=None):
         args = (queries, cache.keys, cache.values, cache.prefix, cache.grad_from, cache.taps)
         if how == "tiled" or not mx.cuda.is_available():
             return chunk_attention(*args, scale)
-        if path(queries, cache.keys, cache.prefix, auto=True, v=cache.values) != "twin":
-            return chunk_attention(*args, scale, auto=True)
+        chosen = path(queries, cache.keys, cache.prefix, auto=True, v=cache.values)
+        if chosen != "twin":
+            return chunk_attention(*args, scale, how=chosen)
     return _original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
 
 

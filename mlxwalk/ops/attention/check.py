@@ -3,7 +3,6 @@ and the cases the tests and the device check compare (errors against a float32 r
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -19,10 +18,7 @@ relative_error = routing.relative_error
 def _compare(name: str, q, k, got, want, prefix) -> None:
     arrays = prefix.in_place() if prefix is not None else None
     case = routing.attention_case(q, k, arrays[0].dtype if arrays is not None else None)
-    error = max(relative_error(a, b) for a, b in zip(got, want))
-    if error > routing.TOLERANCE[q.dtype]:
-        routing.report(name, case, f"disagrees with the ops twin (relative error {error:.1e})")
-        routing.disable(case)
+    routing.compare(got, want, case, name)
 
 
 def checked_forward(q, k, v, prefix, grad_from, scale, tile):
@@ -122,13 +118,6 @@ def race(case: routing.Case, size: tuple[int, int]) -> tuple[float, float]:
     three after a warm-up): `size[0]` queries over a prefix of `size[1]`, every key tapped."""
     x = inputs(case, Sizes(chunk=size[0], start=size[1], grad_from=0), case.dtype)
     mx.eval(x["q"], x["k"], x["v"], x["d_out"], x["prefix"].store.keys, x["prefix"].store.values)
-    seconds = []
-    for path in ("kernel", "twin"):
-        mx.eval(list(through(path, x).values()))  # warm-up: compiles, allocates
-        times = []
-        for _ in range(3):
-            t = time.perf_counter()
-            mx.eval(list(through(path, x).values()))
-            times.append(time.perf_counter() - t)
-        seconds.append(sorted(times)[1])
-    return seconds[0], seconds[1]
+    kernel_s, twin_s = (routing.seconds(lambda p=p: mx.eval(list(through(p, x).values())))
+                        for p in ("kernel", "twin"))  # fmt: skip
+    return kernel_s, twin_s
