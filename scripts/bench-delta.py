@@ -6,7 +6,8 @@ then the exact walk against one graph on the bundled hybrid. One process, side b
     scripts/bench-delta.py --chunks 64 128 256 [--lengths 2048]   the op's chunk size only
     scripts/bench-delta.py --kernels [--lengths 4096 16384] [--chunks 64 256]
         the op on the scan kernels against the ops twin (and MLX's gated_delta_update, which
-        falls back to ops on CUDA, up to --fast-max positions), on this machine's GPU
+        falls back to ops on CUDA, up to --fast-max positions; mlx-lm's per-token loop up to
+        --per-token-max), on this machine's GPU
     scripts/bench-delta.py --compiled [--lengths 1024] [--key-heads 1 --value-heads 2 --dim 64]
         the op's gradient as is against it under mx.compile (the shapes static), alternated
 """
@@ -133,9 +134,9 @@ def kernels(a) -> int:
         xs = layer_inputs(t, a.key_heads, a.value_heads, a.dim)
         for c in a.chunks or [64, 256]:
             delta.CHUNK = c
-            for path, mode in (("ops twin", "off"), ("scan kernels", "auto")):
+            for path, mode in (("ops twin", "off"), ("scan kernels", "on")):
                 os.environ["MLXWALK_KERNELS"] = mode
-                if mode == "auto" and not delta_scan.use_kernel(a.dim, min(c, t)):
+                if mode == "on" and not delta_scan.use_kernel(a.dim, min(c, t)):
                     print(f"| {t} | {c} | {path} | no kernel here | |", flush=True)
                     continue
                 s, m = fwd_bwd(gated_delta, xs, max(2, a.repeats))
@@ -143,6 +144,9 @@ def kernels(a) -> int:
         if t <= a.fast_max:
             s, m = fwd_bwd(mlx_fast, xs, max(2, a.repeats))
             print(f"| {t} | - | mx.fast.gated_delta_update | {s:.3f} | {m:,.0f} |", flush=True)
+        if t <= a.per_token_max:
+            s, m = fwd_bwd(per_token, xs, 1)
+            print(f"| {t} | - | mlx-lm per-token ops | {s:.3f} | {m:,.0f} |", flush=True)
         del xs
         mx.clear_cache()
     return 0
@@ -159,6 +163,7 @@ def main() -> int:
     p.add_argument("--chunks", type=int, nargs="+", help="time the op at these chunk sizes only")
     p.add_argument("--kernels", action="store_true", help="the scan kernels against the ops")
     p.add_argument("--fast-max", type=int, default=4096, help="MLX's op up to this T")
+    p.add_argument("--per-token-max", type=int, default=0, help="mlx-lm's loop up to this T")
     p.add_argument("--compiled", action="store_true", help="the ops under mx.compile")
     a = p.parse_args()
     if a.compiled:
