@@ -1,0 +1,136 @@
+"""The walk's cache for transformers models: a `transformers.Cache` whose attention layers read
+the window's K/V store and whose gated delta-net layers read and write the walk's states, so the
+model's own code runs a chunk against the positions before it, unchanged.
+
+Two modes, as the MLX walk's caches:
+- decode (no gradient): a chunk's K/V go into the store at [start, end), and attention reads
+  the store up to `end` in place; a recurrent layer's exit state replaces its entry state.
+- train (a graph): attention reads the fixed prefix [0, grad_from) and the tapped prefix
+  [grad_from, start) as leaves that take a gradient, then the chunk's own K/V (kept as `own`
+  for the surrogate); a recurrent layer starts from its entry states as leaves and keeps its exit
+  states for the surrogate.
+K/V are stored as the model hands them to attention: (B, heads, T, head dim), after RoPE.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache
+
+
+class Store:
+    """The window's K/V, one (K, V) pair of (B, kv heads, positions, head dim) per attention
+    layer, allocated at the first write (the model says the shapes)."""
+
+    def __init__(self, positions: int, dtype: torch.dtype | None = None, device=None):
+        self.positions = positions
+        self.dtype = dtype
+        self.device = device
+        self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        if layer not in self.kv:
+            shape = (*k.shape[:2], self.positions, k.shape[-1])
+            dtype, device = self.dtype or k.dtype, self.device or k.device
+            self.kv[layer] = (
+                torch.empty(shape, dtype=dtype, device=device),
+                torch.empty((*shape[:3], v.shape[-1]), dtype=dtype, device=device),
+            )
+        end = start + k.shape[2]
+        self.kv[layer][0][:, :, start:end].copy_(k, non_blocking=True)
+        self.kv[layer][1][:, :, start:end].copy_(v, non_blocking=True)
+
+    def read(self, layer: int, start: int, end: int, device, dtype) -> tuple[torch.Tensor, ...]:
+        k, v = self.kv[layer]
+        return tuple(x[:, :, start:end].to(device, dtype, non_blocking=True) for x in (k, v))
+
+    def bytes(self) -> int:
+        return sum(x.numel() * x.element_size() for kv in self.kv.values() for x in kv)
+
+
+class WalkCache(Cache):
+    """One chunk's view of the window: positions [start, end) against the store."""
+
+    def __init__(
+        self,
+        store: Store,
+        start: int,
+        end: int,
+        states: dict | None = None,
+        *,
+        train: bool = False,
+        grad_from: int = 0,
+        tap_states: bool = False,
+    ):
+        super().__init__(layers=[])
+        self.store, self.start, self.end = store, start, end
+        self.train, self.grad_from = train, grad_from
+        self.taps: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # prefix leaves
+        self.own: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # the chunk's K/V
+        # recurrent layers: {layer: {"conv": tensor, "recurrent": tensor}}, entry and exit
+        self.entry = {n: dict(s) for n, s in (states or {}).items()}
+        if tap_states:
+            for s in self.entry.values():
+                for key, x in s.items():
+                    s[key] = x.detach().requires_grad_()
+        self.exit: dict[int, dict[str, torch.Tensor]] = {}
+
+    # attention layers
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if not self.train:
+            self.store.write(layer_idx, self.start, key_states, value_states)
+            dev, dt = key_states.device, key_states.dtype
+            return self.store.read(layer_idx, 0, self.end, dev, dt)
+        self.own[layer_idx] = (key_states, value_states)
+        if self.start == 0:
+            return key_states, value_states
+        dev, dt = key_states.device, key_states.dtype
+        fixed = self.store.read(layer_idx, 0, self.grad_from, dev, dt)
+        tapped = self.store.read(layer_idx, self.grad_from, self.start, dev, dt)
+        tapped = tuple(x.detach().requires_grad_() for x in tapped)
+        self.taps[layer_idx] = tapped
+        return tuple(
+            torch.cat([f, t, o], dim=2)
+            for f, t, o in zip(fixed, tapped, (key_states, value_states))
+        )
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.start
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self.start
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        return self.start + query_length, 0
+
+    # gated delta-net layers
+    def has_previous_state(self, layer_idx=None, state_idx=None) -> bool:
+        return layer_idx in self.entry if layer_idx is not None else bool(self.entry)
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        # True keeps a one-position chunk off the in-place conv update (states here are
+        # checkpoints or graph leaves) and on update_conv_state below
+        return True
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0):
+        return self.entry.get(layer_idx, {}).get("conv")
+
+    def update_conv_state(self, conv_states, layer_idx, state_idx=0, conv_kernel_size=None, **kw):
+        entry = self.get_conv_state(layer_idx)
+        full = (
+            conv_states
+            if entry is None
+            else torch.cat([entry.to(conv_states.dtype), conv_states], dim=-1)
+        )
+        width = conv_kernel_size or full.shape[-1]
+        if full.shape[-1] < width:
+            full = torch.nn.functional.pad(full, (width - full.shape[-1], 0))
+        self.exit.setdefault(layer_idx, {})["conv"] = full[..., -width:]
+        return full
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0):
+        return self.entry.get(layer_idx, {}).get("recurrent")
+
+    def update_recurrent_state(self, recurrent_states, layer_idx, state_idx=0, **kw):
+        self.exit.setdefault(layer_idx, {})["recurrent"] = recurrent_states
+        return recurrent_states

@@ -1,0 +1,268 @@
+"""The exact and plain walks over one window for a transformers model with a PEFT adapter: the
+MLX walk's phases (mlxwalk/walk/exact.py) on the shared plan (mlxwalk/plan.py).
+
+  1. decode_forward: every chunk but the last, with no gradient, writes its K/V into the store
+     and hands its exit states on; the states entering every stride-th chunk are kept.
+  2. reverse: every needed chunk, last to first, is a graph whose leaves are the adapter, the
+     tapped prefix K/V on [grad_from, start) and the entry states; its objective is its share of
+     the loss plus <own K/V, adjoint> + <exit states, adjoint>, the adjoints being what later
+     chunks sent back. torch sums the adapter's gradient in `.grad` across chunks; the taps'
+     gradients go to the K/V accumulators, the entry states' to the state adjoint.
+  3. the caller steps once on the summed gradient.
+The adapter must not change between the start of decode_forward and the end of reverse.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..plan import Footprint, cut, plan_window
+from ..walk.config import Window
+from .cache import Store, WalkCache
+from .model import footprint
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class TorchWalkConfig:
+    chunk: int
+    horizon: int = 0  # 0 = the whole window
+    store_dtype: str | None = None  # the K/V store (None: the model's dtype)
+    accumulators: str = "device"  # where the K/V gradient accumulators live: device or host
+    host_budget_mib: float | None = None
+    follow_runs: bool = True
+
+
+def weighted_loss(
+    logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor, total: float
+) -> torch.Tensor:
+    """sum(w * CE) / total in float32; logits (1, n, vocab), targets and weights (n,)."""
+    ce = torch.nn.functional.cross_entropy(logits[0].float(), targets, reduction="none")
+    return (ce * weights).sum() / total
+
+
+class Walk:
+    """What both walks share: the window on the model's device, one chunk's forward."""
+
+    def __init__(self, model, window: Window, config: TorchWalkConfig):
+        self.model, self.window, self.config = model, window, config
+        self.device = next(model.parameters()).device
+        self.ids = torch.as_tensor(window.inputs, dtype=torch.long, device=self.device)
+        self.targets = torch.as_tensor(window.targets, dtype=torch.long, device=self.device)
+        self.weights = torch.as_tensor(window.weights, dtype=torch.float32, device=self.device)
+        self.footprint: Footprint = footprint(model)
+        self.store: Store | None = None
+        self.on_chunk: Callable[[str, int, int], None] | None = None
+
+    def new_store(self, positions: int) -> None:
+        dtype = DTYPES[self.config.store_dtype] if self.config.store_dtype else None
+        self.store = Store(positions, dtype, self.device)
+
+    def forward(self, start: int, end: int, cache: WalkCache) -> torch.Tensor:
+        """The chunk's logits (1, end - start, vocab) against the cache."""
+        positions = torch.arange(start, end, device=self.device)[None]
+        out = self.model(
+            input_ids=self.ids[None, start:end], position_ids=positions, cache=cache, use_cache=True
+        )
+        return out.logits
+
+    def decode(self, start: int, end: int, states: dict) -> dict:
+        """One chunk with no gradient: its K/V into the store; its exit states."""
+        with torch.no_grad():
+            cache = WalkCache(self.store, start, end, states)
+            self.forward(start, end, cache)
+        return {n: {k: x.detach() for k, x in s.items()} for n, s in cache.exit.items()}
+
+    def chunk_loss(self, start: int, end: int, logits: torch.Tensor) -> torch.Tensor:
+        return weighted_loss(
+            logits, self.targets[start:end], self.weights[start:end], self.window.total
+        )
+
+    def tick(self, phase: str, done: int, total: int) -> None:
+        if self.on_chunk is not None:
+            self.on_chunk(phase, done, total)
+
+
+class Accumulators:
+    """The K/V gradient of every computed position (float32), on the device or in pinned host
+    memory, and the adjoint of the states entering the chunk trained last."""
+
+    def __init__(self, store: Store, where: str, device: torch.device):
+        host = where == "host"
+        self.device = device
+        self.kv = {
+            n: tuple(
+                torch.zeros(
+                    x.shape,
+                    dtype=torch.float32,
+                    device="cpu" if host else device,
+                    pin_memory=host and device.type == "cuda",
+                )
+                for x in kv
+            )
+            for n, kv in store.kv.items()
+        }
+        self.states: dict[int, dict[str, torch.Tensor]] = {}
+
+    def adjoint(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return tuple(x[:, :, start:end].to(self.device, non_blocking=True) for x in self.kv[layer])
+
+    def add(self, layer: int, start: int, grads: tuple[torch.Tensor, torch.Tensor]) -> None:
+        for acc, g in zip(self.kv[layer], grads):
+            if g is not None:
+                acc[:, :, start : start + g.shape[2]] += g.to(acc.device, torch.float32)
+
+    def bytes(self) -> int:
+        return sum(x.numel() * x.element_size() for kv in self.kv.values() for x in kv)
+
+
+class ExactWalk(Walk):
+    """One window's exact walk; the plan comes before any tensor of the window."""
+
+    def __init__(self, model, window: Window, config: TorchWalkConfig):
+        super().__init__(model, window, config)
+        host = None if config.host_budget_mib is None else int(config.host_budget_mib * 2**20)
+        self.plan = plan_window(
+            window.weights.tolist(),
+            config.chunk,
+            self.footprint,
+            horizon=config.horizon,
+            host_budget=host,
+            follow_runs=config.follow_runs,
+        )
+        self.checkpoints: dict[int, dict] = {}
+
+    def run(self) -> float:
+        """The window's loss; the adapter's gradient is in its parameters' `.grad`."""
+        self.decode_forward()
+        return self.reverse()
+
+    def decode_forward(self) -> None:
+        self.new_store(self.plan.computed)
+        self.checkpoints, states = {}, {}
+        chunks = self.plan.chunks
+        for chunk in chunks:
+            if self.plan.checkpointed(chunk.index):
+                self.checkpoints[chunk.index] = states
+            if chunk is not chunks[-1]:  # no later chunk reads the last one's K/V or state
+                states = self.decode(chunk.start, chunk.end, states)
+            self.tick("decode", chunk.index + 1, len(chunks))
+
+    def entry_states(self, index: int) -> dict:
+        """The states entering chunk `index`: its checkpoint, or decoded from the nearest one."""
+        if not self.footprint.recurrent:
+            return {}
+        first = index - index % self.plan.stride
+        states = self.checkpoints[first] if first > 0 else {}
+        for c in self.plan.chunks[first:index]:
+            states = self.decode(c.start, c.end, states)
+        return states
+
+    def reverse(self) -> float:
+        self.acc = Accumulators(self.store, self.config.accumulators, self.device)
+        loss = 0.0
+        order = self.plan.reverse()
+        for done, chunk in enumerate(order, 1):
+            loss += self.train_chunk(chunk)
+            self.tick("train", done, len(order))
+        return loss
+
+    def train_chunk(self, chunk) -> float:
+        s, e, gf = chunk.start, chunk.end, chunk.grad_from
+        cache = WalkCache(
+            self.store,
+            s,
+            e,
+            self.entry_states(chunk.index),
+            train=True,
+            grad_from=gf,
+            tap_states=chunk.index > 0,
+        )
+        loss = self.chunk_loss(s, e, self.forward(s, e, cache))
+        objective = loss
+        for layer, own in cache.own.items():  # what later chunks sent back to this chunk's K/V
+            if layer in self.acc.kv:  # (a window of one chunk decodes nothing)
+                for x, adj in zip(own, self.acc.adjoint(layer, s, e)):
+                    objective = objective + (x.float() * adj).sum()
+        for layer, adj in self.acc.states.items():
+            for key, a in adj.items():
+                objective = objective + (cache.exit[layer][key].float() * a).sum()
+        objective.backward()
+        for layer, taps in cache.taps.items():
+            self.acc.add(layer, gf, tuple(t.grad for t in taps))
+        self.acc.states = {
+            n: {k: x.grad.float() for k, x in st.items() if x.grad is not None}
+            for n, st in cache.entry.items()
+        }
+        return float(loss.detach())
+
+
+class PlainWalk(Walk):
+    """Chunk by chunk, the prefix as constants, the gradient cut at every chunk boundary; with
+    `step`, one step per labelled chunk (the chunk is then re-decoded under the new adapter)."""
+
+    def run(self, step: Callable[[], None] | None = None) -> float:
+        chunks = cut(self.window.weights.tolist(), self.config.chunk, self.config.follow_runs)
+        self.new_store(chunks[-1].end)
+        loss, states = 0.0, {}
+        for chunk in chunks:
+            if chunk.labelled:
+                cache = WalkCache(
+                    self.store, chunk.start, chunk.end, states, train=True, grad_from=chunk.start
+                )
+                chunk_loss = self.chunk_loss(
+                    chunk.start, chunk.end, self.forward(chunk.start, chunk.end, cache)
+                )
+                chunk_loss.backward()
+                loss += float(chunk_loss.detach())
+                if step is not None:
+                    step()
+            if chunk is not chunks[-1]:
+                states = self.decode(chunk.start, chunk.end, states)
+            self.tick("train", chunk.index + 1, len(chunks))
+        return loss
+
+
+def one_graph(model, window: Window) -> float:
+    """The reference: the whole window as one graph, no cache; the gradient in `.grad`."""
+    device = next(model.parameters()).device
+    ids = torch.as_tensor(window.inputs, dtype=torch.long, device=device)[None]
+    logits = model(input_ids=ids, use_cache=False).logits
+    loss = weighted_loss(
+        logits,
+        torch.as_tensor(window.targets, dtype=torch.long, device=device),
+        torch.as_tensor(window.weights, device=device),
+        window.total,
+    )
+    loss.backward()
+    return float(loss.detach())
+
+
+def gradients(model) -> dict[str, np.ndarray]:
+    """The trainable parameters' `.grad`, by name, as float32 arrays (zeros where none came)."""
+    return {
+        n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().float().cpu().numpy()
+        for n, p in model.named_parameters()
+        if p.requires_grad
+    }
+
+
+def window_gradient(
+    model, inputs, targets, weights, *, walk: str = "exact", **config
+) -> tuple[float, dict[str, np.ndarray]]:
+    """The window's loss and the adapter's gradient by one walk (as mlxwalk.walk's)."""
+    window = Window.of(inputs, targets, weights)
+    model.zero_grad(set_to_none=True)
+    if walk == "one-graph":
+        loss = one_graph(model, window)
+    else:
+        runner = (ExactWalk if walk == "exact" else PlainWalk)(
+            model, window, TorchWalkConfig(**config)
+        )
+        loss = runner.run()
+    return loss, gradients(model)
