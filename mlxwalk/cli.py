@@ -10,6 +10,8 @@ from . import tiny
 
 
 def _test_walk_exact(args: argparse.Namespace) -> int:
+    if args.backend == "torch":
+        return _test_walk_exact_torch(args)
     from . import exactness
     from .training import models
 
@@ -18,6 +20,19 @@ def _test_walk_exact(args: argparse.Namespace) -> int:
     else:
         chosen = [(name, str(tiny.path(name))) for name in tiny.MODELS]
     return 0 if exactness.run(chosen, as_json=args.json) else 1
+
+
+def _test_walk_exact_torch(args: argparse.Namespace) -> int:
+    try:
+        from .torch_backend import exactness, model
+    except ImportError as e:
+        raise RuntimeError(f"the torch backend needs pip install 'mlxwalk[torch]' ({e})") from None
+    names = [args.model] if args.model else list(tiny.MODELS)
+    chosen = [
+        (n, str(model.tiny_folder(n) if n in {**tiny.MODELS, **tiny.FAMILIES} else n))
+        for n in names
+    ]
+    return 0 if exactness.run(chosen, as_json=args.json, device=args.device) else 1
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -53,6 +68,13 @@ def parser() -> argparse.ArgumentParser:
     t = sub.add_parser("test-walk-exact", help="the walk's gradient against one graph, row by row")
     t.add_argument("-m", "--model", help="a model folder or hub id (default: every bundled model)")
     t.add_argument("--json", action="store_true", help="print the rows as JSON")
+    t.add_argument(
+        "--backend",
+        choices=("mlx", "torch"),
+        default="mlx",
+        help="torch: transformers + PEFT through the torch walk (extra [torch])",
+    )
+    t.add_argument("--device", help="torch's device for --backend torch (default: the CPU)")
     t.set_defaults(run=_test_walk_exact)
 
     c = sub.add_parser("convert-adapter", help="a LoRA adapter from PEFT to mlx-lm or back")

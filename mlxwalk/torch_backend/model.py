@@ -64,10 +64,15 @@ def load(
     folder: str | Path,
     dtype: torch.dtype = torch.float32,
     device: str | None = None,
-    attention: str = "sdpa",
+    attention: str = "mlxwalk",
 ):
-    """A causal LM from a local transformers folder; nothing is downloaded."""
+    """A causal LM from a local transformers folder; nothing is downloaded. Attention through
+    the walk's (attention.py) unless `attention` names one of transformers' own."""
     from transformers import AutoModelForCausalLM
+
+    from . import attention as walk_attention
+
+    walk_attention.register()
 
     folder = Path(folder)
     if not (folder / "config.json").is_file():
@@ -100,11 +105,12 @@ def add_lora(
         lora_dropout=0.0,
     )
     model = get_peft_model(model, config)
-    if seed is not None:
+    if seed is not None:  # A and B both random and reproducible
         g = torch.Generator().manual_seed(seed)
         for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.data = 0.05 * torch.randn(p.shape, generator=g).to(p)
+            if "lora_A" in name or "lora_B" in name:
+                scale = p.shape[1] ** -0.5 if "lora_A" in name else 0.05
+                p.data = (scale * torch.randn(p.shape, generator=g)).to(p)
     return model
 
 

@@ -266,3 +266,40 @@ def window_gradient(
         )
         loss = runner.run()
     return loss, gradients(model)
+
+
+def train_window(
+    model,
+    optimizer,
+    window: Window,
+    config: TorchWalkConfig,
+    walk: str = "exact",
+    clip: float | None = None,
+) -> Walk:
+    """One window: the exact walk steps once on the window's gradient, the plain walk once per
+    labelled chunk. A refusal (the plan, bad input) comes before any step; a non-finite loss or
+    gradient raises before the step that would apply it. Returns the walk, its `loss` set."""
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def step() -> None:
+        grads = [p.grad for p in params if p.grad is not None]
+        if not all(torch.isfinite(g).all() for g in grads):
+            raise FloatingPointError("a non-finite gradient; no step taken")
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(params, clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    optimizer.zero_grad(set_to_none=True)
+    if walk == "exact":
+        runner = ExactWalk(model, window, config)
+        runner.loss = runner.run()
+        if not np.isfinite(runner.loss):
+            raise FloatingPointError(f"the window's loss is {runner.loss}; no step taken")
+        step()
+    elif walk == "plain":
+        runner = PlainWalk(model, window, config)
+        runner.loss = runner.run(step=step)
+    else:
+        raise ValueError(f"walk {walk!r} cannot train; choose exact or plain")
+    return runner

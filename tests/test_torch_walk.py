@@ -1,0 +1,116 @@
+"""The torch walk (mlxwalk/torch_backend) on transformers models with PEFT, float32 on the CPU:
+the exact walk equals one graph to rounding, on attention and hybrid models; the plain walk and
+a narrowed horizon do not; the bundled tiny models are the same functions in both frameworks."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("peft")
+pytest.importorskip("transformers")
+
+import mlx_lm  # noqa: E402
+
+from mlxwalk import cli, tiny  # noqa: E402
+from mlxwalk.torch_backend import attention  # noqa: E402
+from mlxwalk.torch_backend import model as models  # noqa: E402
+from mlxwalk.torch_backend.walk import TorchWalkConfig, train_window, window_gradient  # noqa: E402
+from mlxwalk.walk.config import Window  # noqa: E402
+
+EXACT = 2e-5  # relative L2 error, float32 (the walks read about 1e-6)
+
+
+def window(n=192, seed=0):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, 256, n + 1)
+    weights = (rng.uniform(size=n) > 0.3).astype(np.float32)
+    weights[: n // 3] = 0  # a context that takes no loss
+    return ids[:-1], ids[1:], weights
+
+
+def flat(grads: dict) -> np.ndarray:
+    return np.concatenate([grads[k].ravel() for k in sorted(grads)])
+
+
+def rel(a, b) -> float:
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.fixture(scope="module", params=["tiny-qwen2", "tiny-qwen3_5", "tiny-qwen3_next"])
+def lora_model(request):
+    model = models.load(models.tiny_folder(request.param))
+    return models.add_lora(model, rank=4, seed=0)
+
+
+def test_exact_walk_equals_one_graph_and_the_plain_walk_does_not(lora_model):
+    x, y, w = window()
+    loss, one = window_gradient(lora_model, x, y, w, walk="one-graph")
+    walked_loss, exact = window_gradient(lora_model, x, y, w, chunk=48)  # 4 chunks, one of 1
+    _, plain = window_gradient(lora_model, x, y, w, chunk=48, walk="plain")
+    assert abs(walked_loss - loss) <= 1e-6 * abs(loss)
+    assert len(one) > 0 and all(np.abs(g).sum() > 0 for g in one.values())
+    assert rel(flat(exact), flat(one)) < EXACT
+    assert rel(flat(plain), flat(one)) > 0.1
+
+
+def test_a_narrowed_horizon_cuts_the_gradient_and_a_full_one_does_not(lora_model):
+    x, y, w = window()
+    _, full = window_gradient(lora_model, x, y, w, chunk=48)
+    _, wide = window_gradient(lora_model, x, y, w, chunk=48, horizon=192)
+    _, narrow = window_gradient(lora_model, x, y, w, chunk=48, horizon=48)
+    assert rel(flat(wide), flat(full)) < EXACT
+    assert rel(flat(narrow), flat(full)) > 1e-3
+
+
+def test_host_accumulators_and_strided_checkpoints_change_nothing(lora_model):
+    x, y, w = window()
+    _, ref = window_gradient(lora_model, x, y, w, chunk=32)
+    _, host = window_gradient(lora_model, x, y, w, chunk=32, accumulators="host")
+    assert rel(flat(host), flat(ref)) < 1e-7
+    foot = models.footprint(lora_model)
+    if foot.recurrent:  # room for 2 of the 5 checkpoints: a stride of 3, re-decoded in reverse
+        budget = foot.kv_width * 4 * 192 + 2.5 * foot.state_bytes
+        _, strided = window_gradient(lora_model, x, y, w, chunk=32, host_budget_mib=budget / 2**20)
+        assert rel(flat(strided), flat(ref)) < 1e-7
+
+
+def test_one_step_per_window_and_a_refusal_before_any_step():
+    model = models.add_lora(models.load(models.tiny_folder("tiny-qwen2")), rank=4, seed=1)
+    params = [p for p in model.parameters() if p.requires_grad]
+    before = [p.detach().clone() for p in params]
+    opt = torch.optim.SGD(params, lr=0.1)
+    win = Window.of(*window())
+    with pytest.raises(ValueError, match="host memory"):
+        train_window(model, opt, win, TorchWalkConfig(chunk=48, host_budget_mib=1e-6))
+    assert all(torch.equal(a, p) for a, p in zip(before, params))
+    walk = train_window(model, opt, win, TorchWalkConfig(chunk=48))
+    assert np.isfinite(walk.loss)
+    assert all(not torch.equal(a, p) for a, p in zip(before, params))
+
+
+def test_walk_attention_is_causal_at_the_bottom_right():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 5, 16, generator=g)
+    k, v = torch.randn(1, 2, 12, 16, generator=g), torch.randn(1, 2, 12, 16, generator=g)
+    out, _ = attention.walk_attention(None, q, k, v, scaling=0.25)  # (1, 5, 4, 16)
+    kr, vr = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    scores = (q @ kr.transpose(-1, -2)) * 0.25  # query i sees keys 0 .. 7 + i
+    scores = scores.masked_fill(torch.ones(5, 12).tril(7) == 0, float("-inf"))
+    want = (scores.softmax(-1) @ vr).transpose(1, 2)
+    assert torch.allclose(out, want, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen2", "tiny-qwen3_5", "tiny-qwen3_next"])
+def test_the_tiny_models_are_one_function_in_both_frameworks(name):
+    ids = np.random.default_rng(0).integers(0, 256, 96)
+    mlx_model, _ = mlx_lm.load(str(tiny.path(name)))
+    want = np.array(mlx_model(mx.array(ids)[None]).astype(mx.float32))
+    got = models.load(models.tiny_folder(name))(torch.tensor(ids)[None]).logits.detach().numpy()
+    assert np.abs(got - want).max() < 1e-3 * np.abs(want).max()
+
+
+def test_test_walk_exact_torch_prints_every_row_ok(capsys):
+    assert cli.main(["test-walk-exact", "--backend", "torch", "-m", "tiny-qwen3_5"]) == 0
+    out = capsys.readouterr().out
+    assert "every row OK" in out and "(4)" in out and "FAILED" not in out
