@@ -114,3 +114,15 @@ def test_test_walk_exact_torch_prints_every_row_ok(capsys):
     assert cli.main(["test-walk-exact", "--backend", "torch", "-m", "tiny-qwen3_5"]) == 0
     out = capsys.readouterr().out
     assert "every row OK" in out and "(4)" in out and "FAILED" not in out
+
+
+def test_the_delta_rule_routes_agree():
+    """mlxwalk's torch op in a transformers hybrid gives transformers' own gradient."""
+    x, y, w = window(n=150)
+    got = {}
+    for how in ("transformers", "mlxwalk"):
+        model = models.load(models.tiny_folder("tiny-qwen3_5"), delta_rule=how)
+        model = models.add_lora(model, rank=4, seed=0)
+        got[how] = window_gradient(model, x, y, w, chunk=64)
+    assert abs(got["mlxwalk"][0] - got["transformers"][0]) <= 1e-6 * got["transformers"][0]
+    assert rel(flat(got["mlxwalk"][1]), flat(got["transformers"][1])) < EXACT

@@ -16,6 +16,7 @@ from safetensors.numpy import load_file, save_file
 
 from .. import tiny
 from ..plan import Footprint, PlanError
+from . import recurrent
 
 # The RMSNorms a Qwen3.5 / Qwen3-Next checkpoint stores zero-centred (transformers applies
 # 1 + w, mlx-lm shifts them by one at load time).
@@ -65,9 +66,11 @@ def load(
     dtype: torch.dtype = torch.float32,
     device: str | None = None,
     attention: str = "mlxwalk",
+    delta_rule: str = "mlxwalk",
 ):
     """A causal LM from a local transformers folder; nothing is downloaded. Attention through
-    the walk's (attention.py) unless `attention` names one of transformers' own."""
+    the walk's (attention.py) unless `attention` names one of transformers' own; a hybrid's
+    delta rule as `delta_rule` routes it (recurrent.py)."""
     from transformers import AutoModelForCausalLM
 
     from . import attention as walk_attention
@@ -80,7 +83,9 @@ def load(
     model = AutoModelForCausalLM.from_pretrained(
         str(folder), dtype=dtype, local_files_only=True, attn_implementation=attention
     )
-    return model.to(device) if device else model
+    model = model.to(device) if device else model
+    recurrent.route(model, delta_rule)
+    return model
 
 
 def add_lora(
