@@ -1,0 +1,186 @@
+#!/usr/bin/env python3
+"""The torch walk against transformers + PEFT with gradient checkpointing, side by side in one
+process: tokens/s and peak GPU memory of a full training step (gradient and optimizer update) on
+one window, random bf16 weights of a realistic shape, LoRA r8 on the last 16 layers.
+
+    scripts/bench-torch.py attention [--windows 8192 16384 65536]   Qwen2.5-0.5B shape
+    scripts/bench-torch.py hybrid [--windows 4096 16384 65536]      Qwen3.5-like ~0.8B hybrid
+        [--kinds peft exact exact-host] [--chunk 4096] [--delta-rule mlxwalk] [--small]
+
+peft: transformers + PEFT, one graph, gradient checkpointing, transformers' SDPA and (hybrid)
+its torch delta rule; exact: the exact walk, chunk by chunk, K/V store in bf16, accumulators on
+the GPU; exact-host: the same with the K/V gradient accumulators in pinned host memory.
+`--small` shrinks every shape to check the script on a CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from mlxwalk.bench import SHAPES, SMALL  # noqa: E402
+from mlxwalk.torch_backend import attention, recurrent  # noqa: E402
+from mlxwalk.torch_backend import model as models  # noqa: E402
+from mlxwalk.torch_backend.walk import TorchWalkConfig, train_window, weighted_loss  # noqa: E402
+from mlxwalk.walk.config import Window  # noqa: E402
+
+GIB = 1 << 30
+SHAPE = {"attention": "qwen2-0.5b", "hybrid": "qwen3_5-0.8b"}
+KEYS = ("q_proj", "v_proj", "in_proj_qkv", "in_proj_z")
+
+
+def build(which: str, small: bool, device: str):
+    """A random bf16 transformers model of the shape, with LoRA r8 on its last 16 layers."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(SHAPES[SHAPE[which]])
+    kind = cfg.pop("model_type")
+    if small:
+        cfg.update(SMALL, num_attention_heads=4)
+        if kind == "qwen3_5":
+            cfg.update(
+                head_dim=64,
+                linear_num_key_heads=2,
+                linear_num_value_heads=4,
+                linear_key_head_dim=64,
+                linear_value_head_dim=64,
+            )
+    kind = "qwen3_5_text" if kind == "qwen3_5" else kind
+    attention.register()
+    config = AutoConfig.for_model(kind, **cfg)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model = models.add_lora(
+        model, rank=8, alpha=16, layers=min(16, config.num_hidden_layers), keys=KEYS, seed=0
+    )
+    return model
+
+
+def window(n: int, vocab: int) -> Window:
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, vocab, n + 1)
+    return Window.of(ids[:-1], ids[1:], np.ones(n))
+
+
+def peft_step(model, win: Window, optimizer) -> float:
+    """transformers + PEFT's own step: the window as one graph, checkpointed by layer."""
+    device = next(model.parameters()).device
+    ids = torch.as_tensor(win.inputs, dtype=torch.long, device=device)[None]
+    targets = torch.as_tensor(win.targets, dtype=torch.long, device=device)
+    weights = torch.as_tensor(win.weights, device=device)
+    optimizer.zero_grad(set_to_none=True)
+    logits = model(input_ids=ids, use_cache=False).logits
+    loss = weighted_loss(logits, targets, weights, win.total)
+    del logits
+    loss.backward()
+    optimizer.step()
+    return float(loss.detach())
+
+
+def set_kind(model, kind: str, delta_rule: str) -> None:
+    base = model.get_base_model()
+    if kind == "peft":
+        base.set_attn_implementation("sdpa")
+        recurrent.route(base, "transformers")
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+    else:
+        base.set_attn_implementation(attention.NAME)
+        recurrent.route(base, delta_rule)
+        model.gradient_checkpointing_disable()
+        model.eval()  # no dropout either way; eval keeps transformers off its training-only paths
+
+
+def measure(model, kind: str, n: int, chunk: int, delta_rule: str, repeats: int) -> dict:
+    set_kind(model, kind, delta_rule)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-5)
+    win = window(n, models.text_config(model).vocab_size)
+    config = TorchWalkConfig(
+        chunk=chunk,
+        store_dtype="bfloat16",
+        accumulators="host" if kind == "exact-host" else "device",
+    )
+    cuda = torch.cuda.is_available()
+    host = 0
+
+    def step():
+        nonlocal host
+        if kind == "peft":
+            return peft_step(model, win, optimizer)
+        walk = train_window(model, optimizer, win, config)
+        host = walk.acc.bytes() if kind == "exact-host" else 0
+        return walk.loss
+
+    times = []
+    for i in range(repeats + 1):  # the first is the warm-up
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        loss = step()
+        if cuda:
+            torch.cuda.synchronize()
+        if i:
+            times.append(time.perf_counter() - start)
+    seconds = sorted(times)[len(times) // 2]
+    peak = torch.cuda.max_memory_allocated() / GIB if cuda else float("nan")
+    return dict(
+        kind=kind, window=n, seconds=seconds, tps=n / seconds, peak=peak, host=host / GIB, loss=loss
+    )
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("which", choices=sorted(SHAPE))
+    p.add_argument("--windows", type=int, nargs="+")
+    p.add_argument("--kinds", nargs="+", default=["peft", "exact"])
+    p.add_argument("--chunk", type=int, default=4096)
+    p.add_argument("--delta-rule", default="mlxwalk", choices=recurrent.ROUTES)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--small", action="store_true")
+    a = p.parse_args()
+    windows = a.windows or (
+        [8192, 16384, 65536] if a.which == "attention" else [4096, 16384, 65536]
+    )
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = build(a.which, a.small, device)
+    n_params = sum(p.numel() for p in model.parameters())
+    where = torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "CPU"
+    print(
+        f"{SHAPE[a.which]}{' (small)' if a.small else ''}: {n_params / 1e9:.2f}B parameters, "
+        f"bf16, torch {torch.__version__} on {where}; chunk {a.chunk}, delta rule "
+        f"{a.delta_rule}; median of {a.repeats} after a warm-up",
+        flush=True,
+    )
+    print("| window | step | seconds | tokens/s | peak GPU GiB | pinned host GiB | loss |")
+    print("|---:|---|---:|---:|---:|---:|---:|", flush=True)
+    for n in windows:
+        for kind in a.kinds:
+            try:
+                r = measure(model, kind, n, a.chunk, a.delta_rule, a.repeats)
+                print(
+                    f"| {n:,} | {kind} | {r['seconds']:.2f} | {r['tps']:,.0f} | "
+                    f"{r['peak']:.1f} | {r['host']:.2f} | {r['loss']:.4f} |",
+                    flush=True,
+                )
+            except torch.OutOfMemoryError:
+                print(f"| {n:,} | {kind} | out of memory | | | | |", flush=True)
+            model.zero_grad(set_to_none=True)
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
