@@ -111,7 +111,7 @@ def measure(model, kind: str, n: int, chunk: int, delta_rule: str, repeats: int)
         accumulators="host" if kind == "exact-host" else "device",
     )
     cuda = torch.cuda.is_available()
-    host = 0
+    host, phases = 0, {}
 
     def step():
         nonlocal host
@@ -119,6 +119,7 @@ def measure(model, kind: str, n: int, chunk: int, delta_rule: str, repeats: int)
             return peft_step(model, win, optimizer)
         walk = train_window(model, optimizer, win, config)
         host = walk.acc.bytes() if kind == "exact-host" else 0
+        phases.update(walk.seconds)
         return walk.loss
 
     times = []
@@ -136,7 +137,63 @@ def measure(model, kind: str, n: int, chunk: int, delta_rule: str, repeats: int)
     seconds = sorted(times)[len(times) // 2]
     peak = torch.cuda.max_memory_allocated() / GIB if cuda else float("nan")
     return dict(
-        kind=kind, window=n, seconds=seconds, tps=n / seconds, peak=peak, host=host / GIB, loss=loss
+        kind=kind,
+        window=n,
+        seconds=seconds,
+        tps=n / seconds,
+        peak=peak,
+        host=host / GIB,
+        loss=loss,
+        phases=", ".join(f"{k} {v:.2f} s" for k, v in phases.items()),
+    )
+
+
+def attention_op(n: int, chunk: int, heads: int = 14, kv_heads: int = 2, dim: int = 64) -> None:
+    """The walk's attention call at the window's last chunk (its queries over every key, lower
+    right causal) against the one graph's (the whole window, causal), forward and backward, and
+    whether FlashAttention takes the walk's call."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g, device="cuda", dtype=torch.bfloat16)
+
+    def timed(fn, *xs) -> float:
+        xs = [x.requires_grad_() for x in xs]
+        for i in range(4):
+            if i == 1:
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+            out = fn(*xs)
+            out[0].sum().backward() if isinstance(out, tuple) else out.sum().backward()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) / 3
+
+    k, v = rnd(1, kv_heads, n, dim), rnd(1, kv_heads, n, dim)
+    q = rnd(1, heads, chunk, dim)
+    walk = timed(lambda q, k, v: attention.walk_attention(None, q, k, v), q, k, v)
+    try:
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            flash = timed(lambda q, k, v: attention.walk_attention(None, q, k, v), q, k, v)
+        flash = f"{flash * 1e3:.1f} ms"
+    except RuntimeError as e:
+        flash = f"refused ({str(e).splitlines()[0][:80]})"
+    full_q = rnd(1, heads, n, dim)
+    full = timed(
+        lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=True
+        ),
+        full_q,
+        k,
+        v,
+    )
+    n_chunks = n // chunk
+    print(
+        f"attention fwd+bwd, {heads}/{kv_heads} heads, dim {dim}: the walk's last chunk "
+        f"({chunk} over {n:,}) {walk * 1e3:.1f} ms (FlashAttention only: {flash}); one graph "
+        f"causal over {n:,}: {full * 1e3:.1f} ms, about {full / n_chunks * 2 * 1e3:.1f} ms "
+        f"per chunk of the same work"
     )
 
 
@@ -149,11 +206,16 @@ def main() -> int:
     p.add_argument("--delta-rule", default="mlxwalk", choices=recurrent.ROUTES)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--small", action="store_true")
+    p.add_argument("--attention-op", action="store_true", help="time the attention call only")
     a = p.parse_args()
     windows = a.windows or (
         [8192, 16384, 65536] if a.which == "attention" else [4096, 16384, 65536]
     )
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if a.attention_op:
+        for n in windows:
+            attention_op(n, a.chunk)
+        return 0
     model = build(a.which, a.small, device)
     n_params = sum(p.numel() for p in model.parameters())
     where = torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "CPU"
@@ -163,15 +225,15 @@ def main() -> int:
         f"{a.delta_rule}; median of {a.repeats} after a warm-up",
         flush=True,
     )
-    print("| window | step | seconds | tokens/s | peak GPU GiB | pinned host GiB | loss |")
-    print("|---:|---|---:|---:|---:|---:|---:|", flush=True)
+    print("| window | step | seconds | tokens/s | peak GPU GiB | pinned host GiB | loss | phases |")
+    print("|---:|---|---:|---:|---:|---:|---:|---|", flush=True)
     for n in windows:
         for kind in a.kinds:
             try:
                 r = measure(model, kind, n, a.chunk, a.delta_rule, a.repeats)
                 print(
                     f"| {n:,} | {kind} | {r['seconds']:.2f} | {r['tps']:,.0f} | "
-                    f"{r['peak']:.1f} | {r['host']:.2f} | {r['loss']:.4f} |",
+                    f"{r['peak']:.1f} | {r['host']:.2f} | {r['loss']:.4f} | {r['phases']} |",
                     flush=True,
                 )
             except torch.OutOfMemoryError:

@@ -126,3 +126,21 @@ def test_the_delta_rule_routes_agree():
         got[how] = window_gradient(model, x, y, w, chunk=64)
     assert abs(got["mlxwalk"][0] - got["transformers"][0]) <= 1e-6 * got["transformers"][0]
     assert rel(flat(got["mlxwalk"][1]), flat(got["transformers"][1])) < EXACT
+
+
+def test_the_blocked_head_loss_is_the_whole_one():
+    from mlxwalk.torch_backend.walk import LOSS_BLOCK, head_loss, weighted_loss
+
+    g = torch.Generator().manual_seed(0)
+    n = 2 * LOSS_BLOCK + 300
+    head = torch.nn.Linear(16, 50, bias=False)
+    h = torch.randn(1, n, 16, generator=g, requires_grad=True)
+    t, w = torch.randint(0, 50, (n,), generator=g), torch.rand(n, generator=g)
+    grads = []
+    for loss in (head_loss, weighted_loss):
+        h.grad = head.weight.grad = None
+        value = loss(head, h, t, w, 100.0) if loss is head_loss else loss(head(h), t, w, 100.0)
+        value.backward()
+        grads.append((value.detach(), h.grad.clone(), head.weight.grad.clone()))
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -14,11 +14,13 @@ The adapter must not change between the start of decode_forward and the end of r
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from ..plan import Footprint, cut, plan_window
 from ..walk.config import Window
@@ -46,6 +48,35 @@ def weighted_loss(
     return (ce * weights).sum() / total
 
 
+LOSS_BLOCK = 1024  # positions whose logits are alive at once in a chunk's graph
+
+
+def head_loss(
+    head, h: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor, total: float
+) -> torch.Tensor:
+    """weighted_loss of head(h), LOSS_BLOCK positions at a time, each block checkpointed: a
+    chunk's logits (positions x vocabulary, its largest tensor for a large vocabulary) are never
+    all alive, forward or backward, for the price of one more output projection."""
+
+    def block(hb, tb, wb):
+        return weighted_loss(head(hb), tb, wb, total)
+
+    n = h.shape[1]
+    if n <= LOSS_BLOCK:
+        return block(h, targets, weights)
+    parts = [
+        checkpoint(
+            block,
+            h[:, i : i + LOSS_BLOCK],
+            targets[i : i + LOSS_BLOCK],
+            weights[i : i + LOSS_BLOCK],
+            use_reentrant=False,
+        )
+        for i in range(0, n, LOSS_BLOCK)
+    ]
+    return torch.stack(parts).sum()
+
+
 class Walk:
     """What both walks share: the window on the model's device, one chunk's forward."""
 
@@ -57,35 +88,46 @@ class Walk:
         self.weights = torch.as_tensor(window.weights, dtype=torch.float32, device=self.device)
         self.footprint: Footprint = footprint(model)
         self.store: Store | None = None
+        lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+        self.decoder, self.head = lm.get_decoder(), lm.get_output_embeddings()
         self.on_chunk: Callable[[str, int, int], None] | None = None
 
     def new_store(self, positions: int) -> None:
         dtype = DTYPES[self.config.store_dtype] if self.config.store_dtype else None
         self.store = Store(positions, dtype, self.device)
 
-    def forward(self, start: int, end: int, cache: WalkCache) -> torch.Tensor:
-        """The chunk's logits (1, end - start, vocab) against the cache."""
+    def hidden(self, start: int, end: int, cache: WalkCache) -> torch.Tensor:
+        """The decoder's last hidden states (1, end - start, hidden) against the cache."""
         positions = torch.arange(start, end, device=self.device)[None]
-        out = self.model(
+        out = self.decoder(
             input_ids=self.ids[None, start:end], position_ids=positions, cache=cache, use_cache=True
         )
-        return out.logits
+        return out.last_hidden_state
 
     def decode(self, start: int, end: int, states: dict) -> dict:
-        """One chunk with no gradient: its K/V into the store; its exit states."""
+        """One chunk with no gradient (and no output head): its K/V into the store; its exit
+        states."""
         with torch.no_grad():
             cache = WalkCache(self.store, start, end, states)
-            self.forward(start, end, cache)
+            self.hidden(start, end, cache)
         return {n: {k: x.detach() for k, x in s.items()} for n, s in cache.exit.items()}
 
-    def chunk_loss(self, start: int, end: int, logits: torch.Tensor) -> torch.Tensor:
-        return weighted_loss(
-            logits, self.targets[start:end], self.weights[start:end], self.window.total
+    def chunk_loss(self, start: int, end: int, cache: WalkCache) -> torch.Tensor:
+        """The chunk's share of the window's loss, as a graph."""
+        h = self.hidden(start, end, cache)
+        return head_loss(
+            self.head, h, self.targets[start:end], self.weights[start:end], self.window.total
         )
 
     def tick(self, phase: str, done: int, total: int) -> None:
         if self.on_chunk is not None:
             self.on_chunk(phase, done, total)
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 class Accumulators:
@@ -138,9 +180,14 @@ class ExactWalk(Walk):
         self.checkpoints: dict[int, dict] = {}
 
     def run(self) -> float:
-        """The window's loss; the adapter's gradient is in its parameters' `.grad`."""
+        """The window's loss; the adapter's gradient is in its parameters' `.grad`. The phases'
+        seconds go to `seconds`."""
+        start = _now(self.device)
         self.decode_forward()
-        return self.reverse()
+        decoded = _now(self.device)
+        loss = self.reverse()
+        self.seconds = {"decode": decoded - start, "reverse": _now(self.device) - decoded}
+        return loss
 
     def decode_forward(self) -> None:
         self.new_store(self.plan.computed)
@@ -183,7 +230,7 @@ class ExactWalk(Walk):
             grad_from=gf,
             tap_states=chunk.index > 0,
         )
-        loss = self.chunk_loss(s, e, self.forward(s, e, cache))
+        loss = self.chunk_loss(s, e, cache)
         objective = loss
         for layer, own in cache.own.items():  # what later chunks sent back to this chunk's K/V
             if layer in self.acc.kv:  # (a window of one chunk decodes nothing)
@@ -215,9 +262,7 @@ class PlainWalk(Walk):
                 cache = WalkCache(
                     self.store, chunk.start, chunk.end, states, train=True, grad_from=chunk.start
                 )
-                chunk_loss = self.chunk_loss(
-                    chunk.start, chunk.end, self.forward(chunk.start, chunk.end, cache)
-                )
+                chunk_loss = self.chunk_loss(chunk.start, chunk.end, cache)
                 chunk_loss.backward()
                 loss += float(chunk_loss.detach())
                 if step is not None:
