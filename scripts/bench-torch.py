@@ -34,6 +34,7 @@ from mlxwalk.walk.config import Window  # noqa: E402
 
 GIB = 1 << 30
 SHAPE = {"attention": "qwen2-0.5b", "hybrid": "qwen3_5-0.8b"}
+MEMORY = ("after decode", "accumulators", "reverse peak")
 KEYS = ("q_proj", "v_proj", "in_proj_qkv", "in_proj_z")
 
 
@@ -120,6 +121,7 @@ def measure(model, kind: str, n: int, chunk: int, delta_rule: str, repeats: int)
         walk = train_window(model, optimizer, win, config)
         host = walk.acc.bytes() if kind == "exact-host" else 0
         phases.update(walk.seconds)
+        phases.update({k: v / GIB for k, v in walk.memory.items()})
         return walk.loss
 
     times = []
@@ -144,7 +146,7 @@ def measure(model, kind: str, n: int, chunk: int, delta_rule: str, repeats: int)
         peak=peak,
         host=host / GIB,
         loss=loss,
-        phases=", ".join(f"{k} {v:.2f} s" for k, v in phases.items()),
+        phases=", ".join(f"{k} {v:.2f} {'GiB' if k in MEMORY else 's'}" for k, v in phases.items()),
     )
 
 
@@ -179,6 +181,24 @@ def attention_op(n: int, chunk: int, heads: int = 14, kv_heads: int = 2, dim: in
         flash = f"{flash * 1e3:.1f} ms"
     except RuntimeError as e:
         flash = f"refused ({str(e).splitlines()[0][:80]})"
+    r = heads // kv_heads
+    kr, vr = k.repeat_interleave(r, 1).detach(), v.repeat_interleave(r, 1).detach()
+    scale = dim**-0.5
+
+    def direct(q, k, v):  # FlashAttention's lower-right causal op, no copies around it
+        return torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, is_causal=True, return_debug_mask=False, scale=scale
+        )[0]
+
+    kernel = timed(direct, q.detach(), kr, vr)
+    try:
+        gqa = f"{timed(direct, q.detach(), k.detach(), v.detach()) * 1e3:.1f} ms"
+        got = direct(q.detach(), k.detach(), v.detach())
+        want = direct(q.detach(), kr, vr)
+        gqa += f" (max difference {float((got - want).abs().max()):.1e})"
+    except RuntimeError as e:
+        gqa = f"refused ({str(e).splitlines()[0][:80]})"
+    print(f"the kernel alone on repeated K/V {kernel * 1e3:.1f} ms; on the kv heads: {gqa}")
     full_q = rnd(1, heads, n, dim)
     full = timed(
         lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(

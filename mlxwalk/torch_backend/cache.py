@@ -125,7 +125,8 @@ class WalkCache(Cache):
         width = conv_kernel_size or full.shape[-1]
         if full.shape[-1] < width:
             full = torch.nn.functional.pad(full, (width - full.shape[-1], 0))
-        self.exit.setdefault(layer_idx, {})["conv"] = full[..., -width:]
+        # a copy: a view would keep the whole chunk's conv input alive with the state
+        self.exit.setdefault(layer_idx, {})["conv"] = full[..., -width:].clone()
         return full
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0):

@@ -130,6 +130,10 @@ def _now(device: torch.device) -> float:
     return time.perf_counter()
 
 
+def _allocated(device: torch.device) -> int:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+
 class Accumulators:
     """The K/V gradient of every computed position (float32), on the device or in pinned host
     memory, and the adjoint of the states entering the chunk trained last."""
@@ -185,8 +189,11 @@ class ExactWalk(Walk):
         start = _now(self.device)
         self.decode_forward()
         decoded = _now(self.device)
+        self.memory = {"after decode": _allocated(self.device)}
         loss = self.reverse()
         self.seconds = {"decode": decoded - start, "reverse": _now(self.device) - decoded}
+        if self.device.type == "cuda":
+            self.memory["reverse peak"] = torch.cuda.max_memory_allocated(self.device)
         return loss
 
     def decode_forward(self) -> None:
@@ -212,6 +219,9 @@ class ExactWalk(Walk):
 
     def reverse(self) -> float:
         self.acc = Accumulators(self.store, self.config.accumulators, self.device)
+        self.memory["accumulators"] = _allocated(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         loss = 0.0
         order = self.plan.reverse()
         for done, chunk in enumerate(order, 1):
