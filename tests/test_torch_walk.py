@@ -144,3 +144,18 @@ def test_the_blocked_head_loss_is_the_whole_one():
         grads.append((value.detach(), h.grad.clone(), head.weight.grad.clone()))
     for a, b in zip(*grads):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_decoded_states_hold_nothing_but_themselves():
+    """A checkpointed state must not be a view into its chunk's activations (a view of the conv
+    input kept the whole chunk alive per layer and per checkpoint)."""
+    from mlxwalk.torch_backend.walk import ExactWalk
+
+    model = models.load(models.tiny_folder("tiny-qwen3_5"))
+    x, y, _ = window()
+    walk = ExactWalk(model, Window.of(x, y, np.ones(len(x))), TorchWalkConfig(chunk=48))
+    walk.decode_forward()
+    states = [x for c in walk.checkpoints.values() for s in c.values() for x in s.values()]
+    assert len(states) == 3 * 4 * 2  # 3 checkpoints x 4 recurrent layers x (conv, recurrent)
+    for x in states:
+        assert x.untyped_storage().nbytes() == x.numel() * x.element_size()
