@@ -43,9 +43,18 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     from .training.options import config_from
-    from .training.run import train_run
 
-    train_run(config_from(args))
+    cfg = config_from(args)
+    if cfg.backend == "torch":
+        try:
+            from .torch_backend.train import train_run
+        except ImportError as e:
+            raise RuntimeError(
+                f"the torch backend needs pip install 'mlxwalk[torch]' ({e})"
+            ) from None
+    else:
+        from .training.run import train_run
+    train_run(cfg)
     return 0
 
 

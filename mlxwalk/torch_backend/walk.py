@@ -119,6 +119,25 @@ class Walk:
             self.head, h, self.targets[start:end], self.weights[start:end], self.window.total
         )
 
+    def loss_only(self) -> float:
+        """The window's loss, chunk by chunk with no gradient (evaluation)."""
+        chunks = cut(self.window.weights.tolist(), self.config.chunk, self.config.follow_runs)
+        self.new_store(chunks[-1].end)
+        loss, states = 0.0, {}
+        with torch.no_grad():
+            for chunk in chunks:
+                cache = WalkCache(self.store, chunk.start, chunk.end, states)
+                h = self.hidden(chunk.start, chunk.end, cache)
+                if chunk.labelled:
+                    s, e = chunk.start, chunk.end
+                    loss += float(
+                        head_loss(
+                            self.head, h, self.targets[s:e], self.weights[s:e], self.window.total
+                        )
+                    )
+                states = cache.exit
+        return loss
+
     def tick(self, phase: str, done: int, total: int) -> None:
         if self.on_chunk is not None:
             self.on_chunk(phase, done, total)

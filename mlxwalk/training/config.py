@@ -129,6 +129,8 @@ class TrainConfig:
     follow_runs: bool = option(False, "no chunk crosses a change of label (the plan's strict "
                                "rule)")  # fmt: skip
     progress: bool = option(True, "a progress bar per window", flag=False)
+    backend: str = option("mlx", "mlx, or torch: a local transformers folder trained with PEFT "
+                          "through the torch walk (extra [torch]; CUDA when present)")  # fmt: skip
 
     def check(self) -> TrainConfig:
         for f in fields(self):  # a YAML file gives strings for some numbers ("1e-5") or worse
@@ -140,6 +142,7 @@ class TrainConfig:
             choice("lr_schedule", self.lr_schedule, SCHEDULES)
         choice("fit", self.fit, data.FITS)
         choice("on_nan", self.on_nan, ON_NAN)
+        choice("backend", self.backend, ("mlx", "torch"))
         for name in ("epochs", "chunk", "window", "iters", "rank"):
             at_least(name, getattr(self, name), 1)
         at_least("horizon", self.horizon, 0, " (0 = the whole window)")

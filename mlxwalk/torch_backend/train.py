@@ -1,0 +1,356 @@
+"""`mlxwalk train --backend torch`: a training run over jsonl data on a transformers model with a
+PEFT adapter, one window per example, through the torch walk.
+
+The data, the windows, the epoch table, the report and the loss curve are the MLX run's
+(mlxwalk/training); what differs is the model, the optimizer and the files: the adapter is
+PEFT's (`adapter_model.safetensors` + `adapter_config.json`, which `mlxwalk convert-adapter`
+turns into mlx-lm's), and a checkpoint (`checkpoints/window-NNNNNNN`: the adapter, the
+optimizer's state, the position in the data) is a folder written whole, then renamed into place.
+`--resume` continues from the newest one when the run's identity (run.json) matches.
+Flags the torch walk does not take (a memory budget, --recompute, --strict-exact, a q8 cache)
+are refused before anything is written.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..plan import PlanError
+from ..training import data as datasets
+from ..training import report, samples, windows
+from ..training.config import TrainConfig
+from ..training.files import write_text
+from ..training.run import Epoch
+from ..training.runfolder import CHECKPOINTS, MANIFEST, Position, files_digest, mismatch
+from ..walk.config import Window
+from . import model as models
+from .walk import DTYPES, ExactWalk, PlainWalk, TorchWalkConfig, train_window
+
+DEFAULT_KEYS = ("q_proj", "v_proj", "in_proj_qkv", "in_proj_z")  # attention and delta-net
+
+
+def refuse_unsupported(cfg: TrainConfig) -> None:
+    if cfg.memory_budget_mib is not None:
+        raise PlanError("--memory-budget-mib is not taken by the torch backend yet")
+    if cfg.recompute or cfg.strict_exact:
+        raise PlanError("--recompute and --strict-exact are not taken by the torch backend yet")
+    if cfg.cache_type not in DTYPES:
+        raise PlanError(
+            f"--cache-type {cfg.cache_type}: the torch backend stores K/V as {', '.join(DTYPES)}"
+        )
+    if cfg.dropout:
+        raise PlanError("--dropout: the torch walk trains without LoRA dropout")
+
+
+def model_folder(name: str) -> Path:
+    from .. import tiny
+
+    if name in {**tiny.MODELS, **tiny.FAMILIES}:
+        return models.tiny_folder(name)
+    folder = Path(name)
+    if not (folder / "config.json").is_file():
+        raise PlanError(
+            f"{name}: the torch backend loads a local transformers folder (with "
+            "config.json and safetensors weights)"
+        )
+    return folder
+
+
+def fingerprint(model) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, p in sorted(model.state_dict().items()):
+        flat = p.detach().reshape(-1)
+        picks = flat[:: max(1, flat.numel() // 64)][:64].float().cpu().numpy()
+        h.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode() + picks.tobytes())
+    return h.hexdigest()[:16]
+
+
+class TorchRun:
+    """Setup (every refusal here, before the folder is touched), then epochs of windows."""
+
+    def __init__(self, cfg: TrainConfig, echo=print):
+        from transformers import AutoTokenizer
+
+        self.cfg, self.echo = cfg.check(), echo
+        refuse_unsupported(cfg)
+        self.out = Path(cfg.adapter_path or f"runs/{Path(cfg.model).name}-torch")
+        held = self.out / MANIFEST
+        if held.exists() and not (cfg.resume or cfg.overwrite):
+            raise PlanError(f"{self.out} holds another run; give --resume or --overwrite")
+        if cfg.resume and not held.exists():
+            raise PlanError(f"--resume: {self.out} holds no run to continue")
+        folder = model_folder(cfg.model)
+        data_folder = datasets.check_folder(cfg.data) if cfg.data else samples.folder()
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        base = models.load(folder, dtype=dtype, device=str(self.device))
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        vocab = models.text_config(base).vocab_size
+        limit = getattr(models.text_config(base), "max_position_embeddings", None)
+        loaded = windows.load(cfg, data_folder, tokenizer, vocab, limit, echo)
+        self.train_set, self.valid_set, self.window = loaded.train, loaded.valid, loaded.window
+        self.identity = {
+            "backend": "torch",
+            "model": {"path": str(folder.resolve()), "fingerprint": fingerprint(base)},
+            "lora": {
+                "rank": cfg.rank,
+                "scale": cfg.scale,
+                "dropout": cfg.dropout,
+                "num_layers": cfg.num_layers,
+                "keys": cfg.targets,
+            },
+            "walk": cfg.walk,
+            "optimizer": cfg.optimizer,
+            "data": {
+                "fingerprint": files_digest(
+                    [data_folder / "train.jsonl", data_folder / "valid.jsonl"]
+                ),
+                "window": self.window,
+                "fit": cfg.fit,
+                "mask_prompt": cfg.mask_prompt,
+                "val_split": cfg.val_split,
+                "seed": cfg.seed,
+            },
+        }
+        torch.manual_seed(cfg.seed)
+        layers = None if cfg.num_layers == -1 else cfg.num_layers
+        keys = tuple(k.rsplit(".", 1)[-1] for k in cfg.targets) if cfg.targets else DEFAULT_KEYS
+        self.model = models.add_lora(
+            base, rank=cfg.rank, alpha=cfg.scale * cfg.rank, layers=layers, keys=keys
+        )
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer, self.schedule = self.make_optimizer()
+        self.position = Position()
+        self.partial: Epoch | None = None  # the row of an epoch --iters stopped
+        self.walk_config = TorchWalkConfig(
+            chunk=cfg.chunk,
+            horizon=cfg.horizon,
+            store_dtype=cfg.cache_type,
+            host_budget_mib=cfg.host_budget_mib,
+            follow_runs=cfg.follow_runs,
+        )
+        largest = max(self.train_set.examples, key=lambda e: np.flatnonzero(e.weights).max())
+        win = Window.of(largest.inputs, largest.targets, largest.weights)
+        self.plan = ExactWalk(self.model, win, self.walk_config).plan  # a host refusal: here
+        if cfg.resume:
+            self.resume(held)
+
+    def make_optimizer(self):
+        cfg = self.cfg
+        decay = cfg.weight_decay or 0.0
+        if cfg.optimizer == "sgd":
+            opt = torch.optim.SGD(self.params, lr=cfg.lr, weight_decay=decay)
+        elif cfg.optimizer == "adamw":
+            opt = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=decay)
+        else:
+            opt = torch.optim.Adam(self.params, lr=cfg.lr)
+        steps = max(1, self.total)
+
+        def factor(step: int) -> float:
+            if cfg.warmup and step < cfg.warmup:
+                return (step + 1) / cfg.warmup
+            done = min(1.0, (step - cfg.warmup) / max(1, steps - cfg.warmup))
+            if cfg.lr_schedule == "cosine_decay":
+                return 0.5 * (1 + math.cos(math.pi * done))
+            return 1.0 - done if cfg.lr_schedule == "linear_schedule" else 1.0
+
+        return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+    @property
+    def total(self) -> int:
+        every = self.cfg.epochs * len(self.train_set.examples)
+        return every if self.cfg.iters is None else min(self.cfg.iters, every)
+
+    def resume(self, held: Path) -> None:
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        why = mismatch(json.loads(held.read_text()), self.identity, self.out)
+        if why:
+            raise PlanError(f"--resume: {why}")
+        saved = sorted((self.out / CHECKPOINTS).glob("window-*"))
+        if not saved:
+            raise PlanError(f"--resume: {self.out} holds no checkpoint yet")
+        last = saved[-1]
+        weights = load_file(str(last / "adapter_model.safetensors"), device=str(self.device))
+        set_peft_model_state_dict(self.model, weights)
+        state = torch.load(last / "optimizer.pt", map_location=self.device, weights_only=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.schedule.load_state_dict(state["schedule"])
+        self.position = Position(**json.loads((last / "position.json").read_text()))
+        self.echo(
+            f"resumed from {last} (epoch {self.position.epoch + 1}, window {self.position.windows})"
+        )
+
+    # --- the loop ---------------------------------------------------------------------------
+
+    def train(self) -> dict:
+        self.out.mkdir(parents=True, exist_ok=True)
+        if not self.cfg.resume:
+            shutil.rmtree(self.out / CHECKPOINTS, ignore_errors=True)
+            write_text(self.out / MANIFEST, json.dumps(self.identity, indent=2))
+        bar = report.progress(self.total, self.position.windows, enabled=self.cfg.progress)
+        try:
+            while self.position.epoch < self.cfg.epochs and self.position.windows < self.total:
+                order = np.random.default_rng(self.cfg.seed + self.position.epoch).permutation(
+                    len(self.train_set.examples)
+                )
+                while self.position.index < len(order) and self.position.windows < self.total:
+                    self.step(self.train_set.examples[order[self.position.index]], bar)
+                    if self.cfg.save_every and self.position.windows % self.cfg.save_every == 0:
+                        self.checkpoint()
+                self.end_epoch(partial=self.position.index < len(order))
+        except KeyboardInterrupt:
+            if self.position.windows:
+                last = self.checkpoint()
+                raise KeyboardInterrupt(
+                    f"at window {self.position.windows}; checkpoint {last} "
+                    "holds it: run the same command with --resume"
+                ) from None
+            raise
+        finally:
+            bar.close()
+        self.save_adapter(self.out)
+        return self.finish()
+
+    def step(self, example, bar) -> None:
+        p = self.position
+        window = Window.of(example.inputs, example.targets, example.weights)
+        tic = time.perf_counter()
+        walk = train_window(
+            self.model,
+            self.optimizer,
+            window,
+            self.walk_config,
+            self.cfg.walk,
+            clip=self.cfg.grad_clip,
+        )
+        self.schedule.step()
+        seconds = time.perf_counter() - tic
+        self.position = replace(
+            p,
+            index=p.index + 1,
+            windows=p.windows + 1,
+            loss_sum=p.loss_sum + walk.loss * example.trainable,
+            tokens=p.tokens + example.trainable,
+            seconds=p.seconds + seconds,
+            losses=[*p.losses, round(walk.loss, 6)],
+        )
+        peak = torch.cuda.max_memory_allocated() if self.device.type == "cuda" else 0
+        bar.window(walk.loss, len(example) / seconds, peak / 2**20)
+
+    def evaluate(self) -> float | None:
+        if not self.valid_set.examples:
+            return None
+        total = weight = 0.0
+        for ex in self.valid_set.examples:
+            walk = PlainWalk(
+                self.model, Window.of(ex.inputs, ex.targets, ex.weights), self.walk_config
+            )
+            total += walk.loss_only() * ex.trainable
+            weight += ex.trainable
+        return total / weight
+
+    def end_epoch(self, partial: bool) -> None:
+        p = self.position
+        done = p.index if partial else len(self.train_set.examples)
+        examples = self.train_set.examples
+        tokens = sum(len(e) for e in examples) * done / max(1, len(examples))
+        row = Epoch(
+            epoch=p.epoch + 1,
+            train_loss=p.loss_sum / max(p.tokens, 1),
+            eval_loss=self.evaluate(),
+            seconds=round(p.seconds, 2),
+            train_tok_s=round(tokens / p.seconds, 1) if p.seconds else 0.0,
+            windows=p.index,
+            partial=partial,
+        )
+        self.echo(report.epoch_line(row))
+        if partial:  # --iters stopped mid-epoch: a resumed run goes on with this epoch's sums
+            self.partial = row
+        else:
+            self.position = replace(
+                p,
+                epoch=p.epoch + 1,
+                index=0,
+                loss_sum=0.0,
+                tokens=0,
+                seconds=0.0,
+                epochs=[*p.epochs, asdict(row)],
+            )
+        self.checkpoint()
+
+    # --- files --------------------------------------------------------------------------------
+
+    def save_adapter(self, folder: Path) -> None:
+        """PEFT's adapter files into `folder`, each written whole (a temporary sibling first)."""
+        with tempfile.TemporaryDirectory(dir=folder, prefix=".tmp-") as tmp:
+            self.model.save_pretrained(tmp)
+            for name in ("adapter_model.safetensors", "adapter_config.json"):
+                Path(tmp, name).replace(folder / name)
+
+    def checkpoint(self) -> Path:
+        """The adapter, the optimizer and the position, as one folder renamed into place."""
+        root = self.out / CHECKPOINTS
+        root.mkdir(parents=True, exist_ok=True)
+        final = root / f"window-{self.position.windows:07d}"
+        tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tmp-"))
+        self.save_adapter(tmp)
+        torch.save(
+            {"optimizer": self.optimizer.state_dict(), "schedule": self.schedule.state_dict()},
+            tmp / "optimizer.pt",
+        )
+        (tmp / "position.json").write_text(json.dumps(asdict(self.position)))
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        for old in sorted(root.glob("window-*"))[:-2]:  # the two newest are kept
+            shutil.rmtree(old)
+        return final
+
+    def finish(self) -> dict:
+        cfg = self.cfg
+        summary = {
+            "backend": "torch",
+            "model": cfg.model,
+            "adapter_path": str(self.out),
+            "adapter_format": "peft",
+            "walk": cfg.walk,
+            "window": self.window,
+            "chunk": cfg.chunk,
+            "horizon": cfg.horizon,
+            "device": str(self.device),
+            "host_mib": round(self.plan.host_bytes / 2**20, 2),
+            "examples": len(self.train_set.examples),
+            "windows": self.position.windows,
+            "window_losses": self.position.losses,
+            "epochs": self.position.epochs,
+            "config": asdict(cfg),
+        }
+        report.write(self.out, summary)
+        return summary
+
+
+def train_run(cfg: TrainConfig, echo=print) -> dict:
+    run = TorchRun(cfg, echo)
+    echo(
+        f"model {cfg.model} (torch {torch.__version__} on {run.device}), "
+        f"{len(run.train_set.examples)} training and {len(run.valid_set.examples)} validation "
+        f"windows of up to {run.window} tokens, chunk {cfg.chunk}, {cfg.walk} walk; the PEFT "
+        f"adapter and report go to {run.out}"
+    )
+    summary = run.train()
+    echo(report.table(summary["epochs"]))
+    echo(f"adapter (PEFT's format) and report written to {run.out}")
+    return summary

@@ -1,0 +1,73 @@
+"""`mlxwalk train --backend torch` on the bundled tiny model and sample data (CPU, float32): it
+writes PEFT's adapter, which converts to mlx-lm's and gives mlx-lm transformers' logits; a run
+stopped and resumed ends where an unbroken run ends; refusals come before anything is written."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+peft = pytest.importorskip("peft")
+pytest.importorskip("transformers")
+
+import mlx_lm  # noqa: E402
+from safetensors.numpy import load_file  # noqa: E402
+
+from mlxwalk import cli, tiny  # noqa: E402
+from mlxwalk.torch_backend import model as models  # noqa: E402
+from mlxwalk.training.convert import convert  # noqa: E402
+
+FLAGS = ["train", "--backend", "torch", "--model", "tiny-qwen2", "--chunk", "128",
+         "--window", "384", "--epochs", "2", "--lr", "1e-3"]  # fmt: skip
+
+
+def train(path, *extra) -> int:
+    return cli.main([*FLAGS, "--adapter-path", str(path), *extra])
+
+
+def test_a_run_writes_a_peft_adapter_that_mlx_lm_reads(tmp_path):
+    assert train(tmp_path / "run", "--iters", "3") == 0
+    out = tmp_path / "run"
+    for name in ("adapter_model.safetensors", "adapter_config.json", "report.json", "run.json"):
+        assert (out / name).is_file(), name
+    report = json.loads((out / "report.json").read_text())
+    assert report["backend"] == "torch" and report["windows"] == 3
+    assert len(report["window_losses"]) == 3 and all(np.isfinite(report["window_losses"]))
+
+    base = models.tiny_folder("tiny-qwen2")
+    hf = peft.PeftModel.from_pretrained(models.load(base), str(out))
+    ids = [[3, 17, 42, 99, 7, 250, 1, 64, 128, 33]]
+    with torch.no_grad():
+        want = hf(torch.tensor(ids)).logits.numpy()
+    assert convert(out, tmp_path / "mlx", model=base) == "mlx"
+    model, _ = mlx_lm.load(str(tiny.path("tiny-qwen2")), adapter_path=str(tmp_path / "mlx"))
+    got = np.array(model(mx.array(ids)).astype(mx.float32))
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-4
+
+
+def test_a_resumed_run_ends_where_an_unbroken_run_ends(tmp_path):
+    assert train(tmp_path / "whole", "--iters", "4") == 0
+    assert train(tmp_path / "broken", "--iters", "2") == 0
+    assert train(tmp_path / "broken", "--iters", "4", "--resume") == 0
+    a = load_file(str(tmp_path / "whole" / "adapter_model.safetensors"))
+    b = load_file(str(tmp_path / "broken" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert np.allclose(a[k], b[k], rtol=1e-5, atol=1e-7), k
+    whole = json.loads((tmp_path / "whole" / "report.json").read_text())["window_losses"]
+    broken = json.loads((tmp_path / "broken" / "report.json").read_text())["window_losses"]
+    assert np.allclose(whole, broken, rtol=1e-5)
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["--memory-budget-mib", "100"], "--memory-budget-mib is not taken by the torch backend"),
+    (["--cache-type", "q8"], "--cache-type q8"),
+    (["--model", "/nonexistent"], "/nonexistent: the torch backend loads a local transformers"),
+])  # fmt: skip
+def test_refusals_are_one_line_and_write_nothing(tmp_path, capsys, extra, says):
+    assert train(tmp_path / "run", *extra) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0]
+    assert not (tmp_path / "run").exists()
