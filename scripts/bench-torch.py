@@ -34,7 +34,7 @@ from mlxwalk.walk.config import Window  # noqa: E402
 
 GIB = 1 << 30
 SHAPE = {"attention": "qwen2-0.5b", "hybrid": "qwen3_5-0.8b"}
-MEMORY = ("after decode", "accumulators", "reverse peak")
+MEMORY = ("after decode", "accumulators")
 KEYS = ("q_proj", "v_proj", "in_proj_qkv", "in_proj_z")
 
 
@@ -119,7 +119,7 @@ def measure(model, kind: str, n: int, chunk: int, delta_rule: str, repeats: int)
         if kind == "peft":
             return peft_step(model, win, optimizer)
         walk = train_window(model, optimizer, win, config)
-        host = walk.acc.bytes() if kind == "exact-host" else 0
+        host = walk.accumulator_bytes if kind == "exact-host" else 0
         phases.update(walk.seconds)
         phases.update({k: v / GIB for k, v in walk.memory.items()})
         return walk.loss

@@ -11,11 +11,19 @@ pytest.importorskip("peft")
 pytest.importorskip("transformers")
 
 import mlx_lm  # noqa: E402
+from transformers.cache_utils import Cache  # noqa: E402
 
 from mlxwalk import cli, tiny  # noqa: E402
 from mlxwalk.torch_backend import attention  # noqa: E402
 from mlxwalk.torch_backend import model as models  # noqa: E402
-from mlxwalk.torch_backend.walk import TorchWalkConfig, train_window, window_gradient  # noqa: E402
+from mlxwalk.torch_backend.cache import WalkCache  # noqa: E402
+from mlxwalk.torch_backend.walk import (  # noqa: E402
+    ExactWalk,
+    TorchWalkConfig,
+    gradients,
+    train_window,
+    window_gradient,
+)
 from mlxwalk.walk.config import Window  # noqa: E402
 
 EXACT = 2e-5  # relative L2 error, float32 (the walks read about 1e-6)
@@ -46,7 +54,7 @@ def lora_model(request):
 def test_exact_walk_equals_one_graph_and_the_plain_walk_does_not(lora_model):
     x, y, w = window()
     loss, one = window_gradient(lora_model, x, y, w, walk="one-graph")
-    walked_loss, exact = window_gradient(lora_model, x, y, w, chunk=48)  # 4 chunks, one of 1
+    walked_loss, exact = window_gradient(lora_model, x, y, w, chunk=48)  # chunks follow the runs
     _, plain = window_gradient(lora_model, x, y, w, chunk=48, walk="plain")
     assert abs(walked_loss - loss) <= 1e-6 * abs(loss)
     assert len(one) > 0 and all(np.abs(g).sum() > 0 for g in one.values())
@@ -54,23 +62,67 @@ def test_exact_walk_equals_one_graph_and_the_plain_walk_does_not(lora_model):
     assert rel(flat(plain), flat(one)) > 0.1
 
 
-def test_a_narrowed_horizon_cuts_the_gradient_and_a_full_one_does_not(lora_model):
+class PrefixReference(WalkCache):
+    """One graph over the window, chunk by chunk with a growing K/V list, the gradient stopped
+    at grad_from: what a narrowed horizon promises, built without the walk's store or taps."""
+
+    def __init__(self, kv: dict, start: int, end: int, grad_from: int, states: dict):
+        Cache.__init__(self, layers=[])
+        self.kv, self.start, self.end, self.gf = kv, start, end, grad_from
+        self.entry, self.exit = {n: dict(s) for n, s in states.items()}, {}
+
+    def update(self, k, v, layer_idx, *args, **kwargs):
+        ks, vs = self.kv.setdefault(layer_idx, ([], []))
+        out = []
+        for seen, x in ((ks, k), (vs, v)):
+            prefix = torch.cat(seen, 2) if seen else x[:, :, :0]
+            out.append(torch.cat([prefix[:, :, : self.gf].detach(), prefix[:, :, self.gf :], x], 2))
+            seen.append(x)
+        return tuple(out)
+
+
+def horizon_reference(model, x, y, w, chunk, horizon, follow_runs):
+    walk = ExactWalk(
+        model, Window.of(x, y, w), TorchWalkConfig(chunk, horizon=horizon, follow_runs=follow_runs)
+    )
+    model.zero_grad(set_to_none=True)
+    kv, states, total = {}, {}, 0.0
+    for c in walk.plan.chunks:
+        cache = PrefixReference(kv, c.start, c.end, c.grad_from, states)
+        total = total + walk.chunk_loss(c.start, c.end, cache)
+        states = cache.exit
+    total.backward()
+    return gradients(model)
+
+
+@pytest.mark.parametrize("chunk, horizon, follow_runs", [(48, 48, False), (32, 40, True)])
+def test_a_narrowed_horizon_is_its_promise_and_cuts_the_gradient(
+    lora_model, chunk, horizon, follow_runs
+):
     x, y, w = window()
-    _, full = window_gradient(lora_model, x, y, w, chunk=48)
-    _, wide = window_gradient(lora_model, x, y, w, chunk=48, horizon=192)
-    _, narrow = window_gradient(lora_model, x, y, w, chunk=48, horizon=48)
+    kw = dict(chunk=chunk, follow_runs=follow_runs)
+    _, full = window_gradient(lora_model, x, y, w, **kw)
+    _, wide = window_gradient(lora_model, x, y, w, horizon=192, **kw)  # the window: no cut
+    _, narrow = window_gradient(lora_model, x, y, w, horizon=horizon, **kw)
+    want = horizon_reference(lora_model, x, y, w, chunk, horizon, follow_runs)
     assert rel(flat(wide), flat(full)) < EXACT
+    assert rel(flat(narrow), flat(want)) < EXACT
     assert rel(flat(narrow), flat(full)) > 1e-3
 
 
 def test_host_accumulators_and_strided_checkpoints_change_nothing(lora_model):
+    # (host and device accumulators are one place on the CPU; on CUDA the exactness row (1c)
+    # compares pinned host memory with the GPU)
     x, y, w = window()
     _, ref = window_gradient(lora_model, x, y, w, chunk=32)
     _, host = window_gradient(lora_model, x, y, w, chunk=32, accumulators="host")
     assert rel(flat(host), flat(ref)) < 1e-7
     foot = models.footprint(lora_model)
-    if foot.recurrent:  # room for 2 of the 5 checkpoints: a stride of 3, re-decoded in reverse
+    if foot.recurrent:  # room for a few checkpoints: the others re-decoded in the reverse pass
         budget = foot.kv_width * 4 * 192 + 2.5 * foot.state_bytes
+        win = Window.of(x, y, w)
+        config = TorchWalkConfig(32, host_budget_mib=budget / 2**20)
+        assert ExactWalk(lora_model, win, config).plan.stride > 1
         _, strided = window_gradient(lora_model, x, y, w, chunk=32, host_budget_mib=budget / 2**20)
         assert rel(flat(strided), flat(ref)) < 1e-7
 
@@ -149,8 +201,6 @@ def test_the_blocked_head_loss_is_the_whole_one():
 def test_decoded_states_hold_nothing_but_themselves():
     """A checkpointed state must not be a view into its chunk's activations (a view of the conv
     input kept the whole chunk alive per layer and per checkpoint)."""
-    from mlxwalk.torch_backend.walk import ExactWalk
-
     model = models.load(models.tiny_folder("tiny-qwen3_5"))
     x, y, _ = window()
     walk = ExactWalk(model, Window.of(x, y, np.ones(len(x))), TorchWalkConfig(chunk=48))
@@ -159,3 +209,35 @@ def test_decoded_states_hold_nothing_but_themselves():
     assert len(states) == 3 * 4 * 2  # 3 checkpoints x 4 recurrent layers x (conv, recurrent)
     for x in states:
         assert x.untyped_storage().nbytes() == x.numel() * x.element_size()
+
+
+def test_the_walk_is_exact_with_the_model_in_training_mode_and_checkpointing_on():
+    """transformers' gradient checkpointing drops the cache from a layer in training mode; the
+    walk runs the model in eval mode and puts its mode back."""
+    model = models.add_lora(models.load(models.tiny_folder("tiny-qwen3_5")), rank=4, seed=0)
+    x, y, w = window()
+    _, one = window_gradient(model, x, y, w, walk="one-graph")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    _, exact = window_gradient(model, x, y, w, chunk=48)
+    assert model.training
+    assert rel(flat(exact), flat(one)) < EXACT
+
+
+def test_one_position_chunks_take_the_routed_rule(monkeypatch):
+    from mlxwalk.torch_backend import recurrent
+
+    calls = []  # (positions, whether a state came in)
+    rule = recurrent.mlxwalk_rule
+
+    def spy(q, k, v, g, beta, *args, initial_state=None, **kw):
+        calls.append((q.shape[1], initial_state is not None))
+        return rule(q, k, v, g, beta, *args, initial_state=initial_state, **kw)
+
+    monkeypatch.setattr(recurrent, "mlxwalk_rule", spy)
+    model = models.add_lora(models.load(models.tiny_folder("tiny-qwen3_5")), rank=4, seed=0)
+    x, y, w = window(n=40)
+    window_gradient(model, x, y, w, chunk=1)
+    monkeypatch.undo()
+    recurrent.route(model, "mlxwalk")  # the modeling module's names back on the real rule
+    assert (1, True) in calls  # transformers' per-token rule for these: routed too

@@ -61,10 +61,11 @@ class WalkCache(Cache):
         train: bool = False,
         grad_from: int = 0,
         tap_states: bool = False,
+        write: bool = True,  # decode: write the chunk's K/V into the store (not on a re-decode)
     ):
         super().__init__(layers=[])
         self.store, self.start, self.end = store, start, end
-        self.train, self.grad_from = train, grad_from
+        self.train, self.grad_from, self.write = train, grad_from, write
         self.taps: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # prefix leaves
         self.own: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # the chunk's K/V
         # recurrent layers: {layer: {"conv": tensor, "recurrent": tensor}}, entry and exit
@@ -77,10 +78,15 @@ class WalkCache(Cache):
 
     # attention layers
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        if not self.train:
+        if not self.train and self.write:
             self.store.write(layer_idx, self.start, key_states, value_states)
             dev, dt = key_states.device, key_states.dtype
             return self.store.read(layer_idx, 0, self.end, dev, dt)
+        if not self.train:  # a re-decode (a state from a checkpoint): the store holds it already
+            prefix = self.store.read(layer_idx, 0, self.start, key_states.device, key_states.dtype)
+            return tuple(
+                torch.cat([p, x], dim=2) for p, x in zip(prefix, (key_states, value_states))
+            )
         self.own[layer_idx] = (key_states, value_states)
         if self.start == 0:
             return key_states, value_states

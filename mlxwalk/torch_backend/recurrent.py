@@ -2,8 +2,9 @@
 
 transformers' gated delta-net layers call their modeling module's `torch_chunk_gated_delta_rule`
 (flash-linear-attention's `chunk_gated_delta_rule` when that package imports, else a torch
-reference that keeps every chunk's intermediates for the backward). `route` points that name at
-one of:
+reference that keeps every chunk's intermediates for the backward), and for a one-position chunk
+with a state `torch_recurrent_gated_delta_rule`. `route` points those names (for every model of
+that family in the process: they are the modeling module's) at one of:
   mlxwalk       mlxwalk's chunked torch op (delta.py): a recomputing backward, float32 state
   fla           flash-linear-attention's Triton kernels, when installed and its self-check
                 (forward and backward against mlxwalk's op on a small case, on this device)
@@ -23,6 +24,7 @@ from . import delta
 
 ROUTES = ("mlxwalk", "fla", "transformers")
 _NAME = "torch_chunk_gated_delta_rule"
+_ONE = "torch_recurrent_gated_delta_rule"  # what the layers call for a one-position chunk
 _original: dict[str, object] = {}  # module -> transformers' own rule
 _checked: dict[str, str | None] = {}  # device type -> why fla cannot run there (None: it can)
 
@@ -136,11 +138,13 @@ def route(model, how: str = "mlxwalk") -> str:
     modules = {type(m).__module__ for m in model.modules() if hasattr(m, "A_log")}
     for name in modules:
         _original.setdefault(name, getattr(sys.modules[name], _NAME))
+        _original.setdefault(name + ":one", getattr(sys.modules[name], _ONE))
     if not modules:
         return "none"
     if how == "transformers":
         for name in modules:
             setattr(sys.modules[name], _NAME, _original[name])
+            setattr(sys.modules[name], _ONE, _original[name + ":one"])
         return how
     device = next(model.parameters()).device
     if how == "fla" and (why := fla_problem(device)) is not None:
@@ -149,4 +153,6 @@ def route(model, how: str = "mlxwalk") -> str:
     rule = fla_rule if how == "fla" else mlxwalk_rule
     for name in modules:
         setattr(sys.modules[name], _NAME, rule)
+        # one position: flash-linear-attention's fused recurrent kernel has no backward
+        setattr(sys.modules[name], _ONE, mlxwalk_rule)
     return how

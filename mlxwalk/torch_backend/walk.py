@@ -80,6 +80,12 @@ def head_loss(
 class Walk:
     """What both walks share: the window on the model's device, one chunk's forward."""
 
+    def walking(self):
+        """The model in eval mode for the walk, put back after: no dropout (the decode and a
+        chunk's graph must compute the same K/V and states), and no gradient checkpointing of
+        transformers' (which drops the cache from a layer in training mode)."""
+        return _EvalMode(self.model)
+
     def __init__(self, model, window: Window, config: TorchWalkConfig):
         self.model, self.window, self.config = model, window, config
         self.device = next(model.parameters()).device
@@ -104,11 +110,11 @@ class Walk:
         )
         return out.last_hidden_state
 
-    def decode(self, start: int, end: int, states: dict) -> dict:
+    def decode(self, start: int, end: int, states: dict, write: bool = True) -> dict:
         """One chunk with no gradient (and no output head): its K/V into the store; its exit
         states."""
         with torch.no_grad():
-            cache = WalkCache(self.store, start, end, states)
+            cache = WalkCache(self.store, start, end, states, write=write)
             self.hidden(start, end, cache)
         return {n: {k: x.detach() for k, x in s.items()} for n, s in cache.exit.items()}
 
@@ -124,7 +130,7 @@ class Walk:
         chunks = cut(self.window.weights.tolist(), self.config.chunk, self.config.follow_runs)
         self.new_store(chunks[-1].end)
         loss, states = 0.0, {}
-        with torch.no_grad():
+        with torch.no_grad(), self.walking():
             for chunk in chunks:
                 cache = WalkCache(self.store, chunk.start, chunk.end, states)
                 h = self.hidden(chunk.start, chunk.end, cache)
@@ -141,6 +147,18 @@ class Walk:
     def tick(self, phase: str, done: int, total: int) -> None:
         if self.on_chunk is not None:
             self.on_chunk(phase, done, total)
+
+
+class _EvalMode:
+    def __init__(self, model):
+        self.model = model
+
+    def __enter__(self):
+        self.was = self.model.training
+        self.model.eval()
+
+    def __exit__(self, *exc):
+        self.model.train(self.was)
 
 
 def _now(device: torch.device) -> float:
@@ -204,15 +222,18 @@ class ExactWalk(Walk):
 
     def run(self) -> float:
         """The window's loss; the adapter's gradient is in its parameters' `.grad`. The phases'
-        seconds go to `seconds`."""
-        start = _now(self.device)
-        self.decode_forward()
-        decoded = _now(self.device)
-        self.memory = {"after decode": _allocated(self.device)}
-        loss = self.reverse()
+        seconds go to `seconds`, what the GPU held after the decode to `memory`; the store, the
+        accumulators and the checkpoints are let go before it returns."""
+        with self.walking():
+            start = _now(self.device)
+            self.decode_forward()
+            decoded = _now(self.device)
+            self.memory = {"after decode": _allocated(self.device)}
+            loss = self.reverse()
         self.seconds = {"decode": decoded - start, "reverse": _now(self.device) - decoded}
-        if self.device.type == "cuda":
-            self.memory["reverse peak"] = torch.cuda.max_memory_allocated(self.device)
+        self.accumulator_bytes = self.acc.bytes()
+        self.store = self.acc = None
+        self.checkpoints = {}
         return loss
 
     def decode_forward(self) -> None:
@@ -233,14 +254,12 @@ class ExactWalk(Walk):
         first = index - index % self.plan.stride
         states = self.checkpoints[first] if first > 0 else {}
         for c in self.plan.chunks[first:index]:
-            states = self.decode(c.start, c.end, states)
+            states = self.decode(c.start, c.end, states, write=False)
         return states
 
     def reverse(self) -> float:
         self.acc = Accumulators(self.store, self.config.accumulators, self.device)
         self.memory["accumulators"] = _allocated(self.device)
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
         loss = 0.0
         order = self.plan.reverse()
         for done, chunk in enumerate(order, 1):
@@ -284,6 +303,12 @@ class PlainWalk(Walk):
 
     def run(self, step: Callable[[], None] | None = None) -> float:
         chunks = cut(self.window.weights.tolist(), self.config.chunk, self.config.follow_runs)
+        with self.walking():
+            loss = self._run(chunks, step)
+        self.store = None
+        return loss
+
+    def _run(self, chunks, step) -> float:
         self.new_store(chunks[-1].end)
         loss, states = 0.0, {}
         for chunk in chunks:
