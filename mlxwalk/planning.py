@@ -65,12 +65,18 @@ def check(args) -> None:
     for name in ("memory_budget_mib", "host_budget_mib"):
         positive(name, getattr(args, name))
     check_cache_type(args.cache_type)
+    if args.backend not in ("mlx", "torch"):
+        raise PlanError(f"--backend {args.backend!r} is unknown; choose mlx or torch")
 
 
 def run(args) -> int:
     from .training import models
 
     check(args)
+    if args.backend == "torch":
+        from .torch_backend import planning
+
+        return planning.run(args)
     model, _ = models.load(args.model)
     check_cache_type(args.cache_type, arch.inspect(model).head_dims)
     adapters.apply(model, adapters.LoraConfig(rank=args.rank, num_layers=args.num_layers))

@@ -71,3 +71,15 @@ def test_refusals_are_one_line_and_write_nothing(tmp_path, capsys, extra, says):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and says in err[0]
     assert not (tmp_path / "run").exists()
+
+
+def test_plan_for_the_torch_backend(capsys):
+    args = ["plan", "--backend", "torch", "--model", "tiny-qwen3_5", "--window", "4096",
+            "--chunk", "1024", "--cache-type", "bfloat16"]  # fmt: skip
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    # 2 attention layers x 2 x 2 kv heads x 64 = 512 K/V elements a position
+    assert "4 chunks, checkpoint stride 1" in out and "K/V store                 4.0 MiB" in out
+    assert "K/V accumulators (fp32)   8.0 MiB" in out and "verdict: fits" in out
+    assert cli.main([*args, "--host-budget-mib", "1"]) == 1
+    assert "does not fit: host memory" in capsys.readouterr().out

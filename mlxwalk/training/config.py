@@ -130,7 +130,8 @@ class TrainConfig:
                                "rule)")  # fmt: skip
     progress: bool = option(True, "a progress bar per window", flag=False)
     backend: str = option("mlx", "mlx, or torch: a local transformers folder trained with PEFT "
-                          "through the torch walk (extra [torch]; CUDA when present)")  # fmt: skip
+                          "through the torch walk (extra [torch]; CUDA when present)",
+                          plan=True)  # fmt: skip
 
     def check(self) -> TrainConfig:
         for f in fields(self):  # a YAML file gives strings for some numbers ("1e-5") or worse
