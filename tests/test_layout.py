@@ -1,11 +1,12 @@
 """The layout: the plan imports no array library, no module imports one that imports it back, and
-each layer imports only those beneath it (plan <- ops <- walk <- training <- plugin, cli)."""
+each layer imports only those beneath it (plan <- ops <- walk <- training <- plugin and the torch
+backend, cli)."""
 
 import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "mlxwalk"
-LAYERS = {"plan": 0, "ops": 1, "torch_backend": 1, "walk": 2, "training": 3, "plugin": 4}
+LAYERS = {"plan": 0, "ops": 1, "walk": 2, "training": 3, "plugin": 4, "torch_backend": 4}
 
 
 def modules() -> dict[str, Path]:
@@ -103,9 +104,18 @@ def test_kernels_import_nothing_of_mlxwalk():
 
 
 def test_only_the_torch_backend_imports_torch():
-    """The torch backend is imported only when asked for: no other module imports it or torch."""
+    """The torch backend is imported only when asked for: outside it, no module imports torch,
+    and the torch backend only inside the function that a `--backend torch` calls."""
     for name, path in modules().items():
         if name.startswith("mlxwalk.torch_backend"):
             continue
-        text = path.read_text()
-        assert "torch_backend" not in text and "import torch" not in text, name
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                assert not any(a.name.split(".")[0] == "torch" for a in node.names), name
+            if isinstance(node, ast.ImportFrom):
+                assert (node.module or "").split(".")[0] != "torch", name
+        for node in tree.body:  # module level: nothing of the torch backend
+            if isinstance(node, ast.ImportFrom):
+                assert "torch_backend" not in (node.module or ""), name
+                assert all(a.name != "torch_backend" for a in node.names), name
