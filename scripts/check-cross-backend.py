@@ -40,8 +40,8 @@ def main() -> int:
     lora = adapters.LoraConfig(
         rank=4, scale=3.0, num_layers=2, keys=["self_attn.q_proj", "self_attn.v_proj"]
     )
+    mx.random.seed(0)  # the adapter's start (A random, B below)
     adapters.apply(model, lora)
-    mx.random.seed(0)
     for _, m in model.named_modules():
         if hasattr(m, "lora_b"):
             m.lora_b = 0.05 * mx.random.normal(m.lora_b.shape)
