@@ -83,3 +83,24 @@ def test_plan_for_the_torch_backend(capsys):
     assert "K/V accumulators (fp32)   8.0 MiB" in out and "verdict: fits" in out
     assert cli.main([*args, "--host-budget-mib", "1"]) == 1
     assert "does not fit: host memory" in capsys.readouterr().out
+
+
+def test_a_hybrid_adapter_crosses_both_ways(tmp_path):
+    """Qwen3.5's layers sit under language_model.model in mlx-lm and under model in
+    transformers' Qwen3_5ForCausalLM: the adapter of a torch run converts to mlx-lm's and back,
+    and each framework gives the other's logits."""
+    assert train(tmp_path / "run", "--model", "tiny-qwen3_5", "--iters", "1") == 0
+    base = models.tiny_folder("tiny-qwen3_5")
+    ids = [[3, 17, 42, 99, 7, 250, 1, 64, 128, 33]]
+    hf = peft.PeftModel.from_pretrained(models.load(base), str(tmp_path / "run"))
+    with torch.no_grad():
+        want = hf(torch.tensor(ids)).logits.numpy()
+    assert convert(tmp_path / "run", tmp_path / "mlx", model=base) == "mlx"
+    model, _ = mlx_lm.load(str(tiny.path("tiny-qwen3_5")), adapter_path=str(tmp_path / "mlx"))
+    got = np.array(model(mx.array(ids)).astype(mx.float32))
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-4
+    assert convert(tmp_path / "mlx", tmp_path / "back", model=base) == "peft"
+    again = peft.PeftModel.from_pretrained(models.load(base), str(tmp_path / "back"))
+    with torch.no_grad():
+        back = again(torch.tensor(ids)).logits.numpy()
+    assert np.linalg.norm(back - want) / np.linalg.norm(want) < 1e-6

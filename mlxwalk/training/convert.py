@@ -55,6 +55,40 @@ def _layer_count(model: Path) -> int:
     return int(config["num_hidden_layers"])
 
 
+# Where the decoder layers sit in the two frameworks' module trees, where they differ: mlx-lm
+# keeps a Qwen3.5's under language_model.model; transformers under model (the text-only
+# Qwen3_5ForCausalLM) or model.language_model (the published, multimodal checkpoints).
+_MLX_STEM = {"qwen3_5": "language_model.model", "qwen3_5_moe": "language_model.model"}
+_HF_STEM = {
+    "Qwen3_5ForCausalLM": "model",
+    "Qwen3_5MoeForCausalLM": "model",
+    "Qwen3_5ForConditionalGeneration": "model.language_model",
+    "Qwen3_5MoeForConditionalGeneration": "model.language_model",
+}
+
+
+def _stems(model: Path | None) -> tuple[str, str] | None:
+    """(mlx-lm's stem, transformers') for the base model's family, None where they agree or
+    no base model is given."""
+    if model is None or not (Path(model) / "config.json").is_file():
+        return None
+    config = json.loads((Path(model) / "config.json").read_text())
+    family = config.get("model_type", "").removesuffix("_text")
+    if family not in _MLX_STEM:
+        return None
+    arch = (config.get("architectures") or ["Qwen3_5ForConditionalGeneration"])[0]
+    return _MLX_STEM[family], _HF_STEM.get(arch, "model.language_model")
+
+
+def _restem(path: str, stems: tuple[str, str] | None, to_mlx: bool) -> str:
+    """A layer's module path moved from one framework's tree to the other's."""
+    if stems is None:
+        return path
+    src, dst = (stems[1], stems[0]) if to_mlx else stems
+    head, sep, rest = path.partition(".layers.")
+    return f"{dst}{sep}{rest}" if head == src else path
+
+
 def peft_to_mlx(src: Path, model: Path | None = None) -> tuple[dict, dict]:
     """(weights, config) in mlx-lm's format. mlx-lm adapts the last num_layers layers, so the
     layer count comes from the base model's config.json (`model`, else the folder PEFT names)."""
@@ -67,21 +101,29 @@ def peft_to_mlx(src: Path, model: Path | None = None) -> tuple[dict, dict]:
     if not (model / "config.json").is_file():
         raise PlanError(f"{src}: give the base model's folder (--model) to count its layers")
     total = _layer_count(model)
+    stems = _stems(model)
     weights, layers, keys = {}, set(), set()
     for name, w in mx.load(str(Path(src) / PEFT_WEIGHTS)).items():
         m = _PEFT_KEY.match(name)
         if m is None:
             raise PlanError(f"{src}: {name} is not a LoRA weight of a decoder layer")
         path, layer, key, ab = m.groups()
+        path = _restem(path, stems, to_mlx=True)
         weights[f"{path}.lora_{ab.lower()}"] = w.T  # A (r, in) -> lora_a (in, r); B likewise
         layers.add(int(layer))
         keys.add(key)
     n = len(layers)
     if sorted(layers) != list(range(total - n, total)):
-        raise PlanError(f"{src}: adapters on layers {sorted(layers)} are not the model's last "
-                        f"{n} of {total}, the only set mlx-lm's adapter_config names")  # fmt: skip
-    lora = {"rank": r, "scale": scale, "dropout": float(cfg.get("lora_dropout") or 0.0),
-            "keys": sorted(keys)}  # fmt: skip
+        raise PlanError(
+            f"{src}: adapters on layers {sorted(layers)} are not the model's last "
+            f"{n} of {total}, the only set mlx-lm's adapter_config names"
+        )
+    lora = {
+        "rank": r,
+        "scale": scale,
+        "dropout": float(cfg.get("lora_dropout") or 0.0),
+        "keys": sorted(keys),
+    }
     return weights, {"fine_tune_type": "lora", "num_layers": n, "lora_parameters": lora}
 
 
@@ -92,22 +134,33 @@ def mlx_to_peft(src: Path, model: Path | None = None) -> tuple[dict, dict]:
         raise PlanError(f"{src}: a {cfg['fine_tune_type']} adapter; only LoRA converts")
     lp = cfg["lora_parameters"]
     r, scale = int(lp["rank"]), float(lp["scale"])
+    stems = _stems(model)
     weights, layers, keys = {}, set(), set()
     for name, w in mx.load(str(Path(src) / MLX_WEIGHTS)).items():
         m = _MLX_KEY.match(name)
         if m is None:
             raise PlanError(f"{src}: {name} is not a LoRA weight of a decoder layer")
         path, layer, key, ab = m.groups()
+        path = _restem(path, stems, to_mlx=False)
         weights[f"base_model.model.{path}.lora_{ab.upper()}.weight"] = w.T
         layers.add(int(layer))
         keys.add(key)
     config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": scale * r,
-        "lora_dropout": float(lp.get("dropout", 0.0)), "target_modules": sorted(keys),
-        "layers_to_transform": sorted(layers), "layers_pattern": "layers", "bias": "none",
-        "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "inference_mode": True,
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": r,
+        "lora_alpha": scale * r,
+        "lora_dropout": float(lp.get("dropout", 0.0)),
+        "target_modules": sorted(keys),
+        "layers_to_transform": sorted(layers),
+        "layers_pattern": "layers",
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "inference_mode": True,
         "base_model_name_or_path": str(model) if model else None,
-    }  # fmt: skip
+    }
     return weights, config
 
 
@@ -123,8 +176,10 @@ def convert(src: Path, dst: Path, model: Path | None = None) -> str:
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}{TMP_MARK}", dir=dst.parent))
     try:
-        mx.save_safetensors(str(tmp / (MLX_WEIGHTS if target == "mlx" else PEFT_WEIGHTS)),
-                            {k: mx.array(v) for k, v in weights.items()})  # fmt: skip
+        mx.save_safetensors(
+            str(tmp / (MLX_WEIGHTS if target == "mlx" else PEFT_WEIGHTS)),
+            {k: mx.array(v) for k, v in weights.items()},
+        )
         (tmp / CONFIG).write_text(json.dumps(config, indent=2))
         os.replace(tmp, dst)
     finally:
