@@ -86,6 +86,27 @@ def prepare(model: nn.Module, seed: int = 0, rank: int = 8) -> nn.Module:
     return model
 
 
+def compared_row(model: str, row: str, what: str, bar: str, walk, reference) -> Row:
+    """A row comparing `walk()` with `reference()` (gradients, any framework); an error is the
+    row's FAILED detail, so one row's failure never hides the others."""
+    try:
+        c, e = compare(walk(), reference())
+    except (ValueError, RuntimeError, MemoryError) as err:
+        detail = "error: " + (str(err).splitlines() or [type(err).__name__])[0][:120]
+        return Row(model, row, what, bar, False, detail=detail)
+    return Row(model, row, what, bar, BARS[bar](c, e), c, e)
+
+
+def refusal_row(model: str, message: str, untouched: bool) -> Row:
+    """Row (3): a host budget of 1 byte is refused, naming host memory, the adapter untouched."""
+    detail = ("refused" if message else "not refused") + (
+        ", adapter untouched" if untouched else ", adapter changed"
+    )
+    ok = "host memory" in message and untouched
+    return Row(model, "(3)", "host budget of 1 byte", "refused, adapter untouched", ok,
+               detail=detail)  # fmt: skip
+
+
 class Table:
     """The rows for one model on one window."""
 
@@ -102,17 +123,10 @@ class Table:
         return window_gradient(self.model, self.x, self.y, weights, **kw)[1]
 
     def add(self, row: str, what: str, bar: str, grads, reference) -> None:
-        c, e = compare(grads, reference)
-        self.rows.append(Row(self.name, row, what, bar, BARS[bar](c, e), c, e))
+        self.rows.append(compared_row(self.name, row, what, bar, lambda: grads, lambda: reference))
 
     def compared(self, row: str, what: str, bar: str, walk, reference) -> None:
-        """A row comparing `walk()` with `reference()`; an error is the row's FAILED detail, so
-        one row's failure never hides the others."""
-        try:
-            self.add(row, what, bar, walk(), reference())
-        except (ValueError, RuntimeError, MemoryError) as e:
-            detail = "error: " + (str(e).splitlines() or [type(e).__name__])[0][:120]
-            self.rows.append(Row(self.name, row, what, bar, False, detail=detail))
+        self.rows.append(compared_row(self.name, row, what, bar, walk, reference))
 
     def run(self) -> list[Row]:
         every = np.ones(self.n)
@@ -184,18 +198,7 @@ class Table:
         except OutOfMemory as e:
             message = str(e)
         untouched = np.array_equal(before, flat(self.model.trainable_parameters()))
-        ok = "host memory" in message and untouched
-        detail = ("refused" if message else "not refused") + (
-            ", adapter untouched" if untouched else ", adapter changed"
-        )
-        return Row(
-            self.name,
-            "(3)",
-            "host budget of 1 byte",
-            "refused, adapter untouched",
-            ok,
-            detail=detail,
-        )
+        return refusal_row(self.name, message, untouched)
 
     def strided(self, weights) -> None:
         window = Window.of(self.x, self.y, weights)

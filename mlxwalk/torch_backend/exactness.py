@@ -18,11 +18,11 @@ from dataclasses import asdict
 import numpy as np
 import torch
 
-from ..exactness import BARS, EXACT, Row, compare
+from ..exactness import BARS, EXACT, Row, compare, compared_row, refusal_row
 from ..plan import MIB, OutOfMemory
 from ..walk.config import Window
 from . import model as models
-from .walk import ExactWalk, TorchWalkConfig, train_window, window_gradient
+from .walk import ExactWalk, TorchWalkConfig, gradients, train_window, window_gradient
 
 TELLS_APART = "cosine < 0.95 (tells the walks apart)"
 
@@ -42,12 +42,7 @@ class Table:
         return window_gradient(self.model, self.x, self.y, weights, **kw)[1]
 
     def compared(self, row: str, what: str, bar: str, walk, reference) -> None:
-        try:
-            c, e = compare(walk(), reference())
-            self.rows.append(Row(self.name, row, what, bar, BARS[bar](c, e), c, e))
-        except (ValueError, RuntimeError, MemoryError) as e:
-            detail = "error: " + (str(e).splitlines() or [type(e).__name__])[0][:120]
-            self.rows.append(Row(self.name, row, what, bar, False, detail=detail))
+        self.rows.append(compared_row(self.name, row, what, bar, walk, reference))
 
     def run(self) -> list[Row]:
         every = np.ones(self.n)
@@ -106,29 +101,18 @@ class Table:
         except OutOfMemory as e:
             message = str(e)
         untouched = all(torch.equal(a, p) for a, p in zip(before, params))
-        detail = ("refused" if message else "not refused") + (
-            ", adapter untouched" if untouched else ", adapter changed"
-        )
-        ok = "host memory" in message and untouched
-        return Row(
-            self.name,
-            "(3)",
-            "host budget of 1 byte",
-            "refused, adapter untouched",
-            ok,
-            detail=detail,
-        )
+        return refusal_row(self.name, message, untouched)
 
     def strided(self, weights) -> None:
         window = Window.of(self.x, self.y, weights)
         free = ExactWalk(self.model, window, TorchWalkConfig(chunk=self.chunk)).plan
         budget = free.accumulator_bytes + free.checkpoint_bytes * 3 / 4
-        walked = window_gradient(
-            self.model, self.x, self.y, weights, chunk=self.chunk, host_budget_mib=budget / MIB
-        )[1]
-        plan = ExactWalk(
+        walk = ExactWalk(
             self.model, window, TorchWalkConfig(self.chunk, host_budget_mib=budget / MIB)
-        ).plan
+        )
+        self.model.zero_grad(set_to_none=True)
+        walk.run()
+        walked, plan = gradients(self.model), walk.plan
         c, e = compare(walked, self.grad(weights, chunk=self.chunk))
         fewer = plan.stride > 1 and plan.host_bytes < free.host_bytes
         what = (
