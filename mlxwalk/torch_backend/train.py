@@ -227,6 +227,8 @@ class TorchRun:
     def step(self, example, bar) -> None:
         p = self.position
         window = Window.of(example.inputs, example.targets, example.weights)
+        if self.device.type == "cuda":  # the bar shows each window's own peak
+            torch.cuda.reset_peak_memory_stats(self.device)
         tic = time.perf_counter()
         walk = train_window(
             self.model,
