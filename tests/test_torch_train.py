@@ -62,7 +62,7 @@ def test_a_resumed_run_ends_where_an_unbroken_run_ends(tmp_path):
 
 
 @pytest.mark.parametrize("extra, says", [
-    (["--memory-budget-mib", "100"], "--memory-budget-mib is not taken by the torch backend"),
+    (["--memory-budget-mib", "100"], "--memory-budget-mib counts CUDA memory"),
     (["--cache-type", "q8"], "--cache-type q8"),
     (["--model", "/nonexistent"], "/nonexistent: the torch backend loads a local transformers"),
 ])  # fmt: skip
@@ -83,6 +83,9 @@ def test_plan_for_the_torch_backend(capsys):
     assert "K/V accumulators (fp32)   8.0 MiB" in out and "verdict: fits" in out
     assert cli.main([*args, "--host-budget-mib", "1"]) == 1
     assert "does not fit: host memory" in capsys.readouterr().out
+    if not torch.cuda.is_available():  # a budget's graph is measured on the GPU
+        assert cli.main([*args, "--memory-budget-mib", "100"]) == 2
+        assert "--memory-budget-mib counts CUDA memory" in capsys.readouterr().err
 
 
 def test_a_hybrid_adapter_crosses_both_ways(tmp_path):

@@ -111,12 +111,12 @@ def test_a_narrowed_horizon_is_its_promise_and_cuts_the_gradient(
 
 
 def test_host_accumulators_and_strided_checkpoints_change_nothing(lora_model):
-    # (host and device accumulators are one place on the CPU; on CUDA the exactness row (1c)
-    # compares pinned host memory with the GPU)
+    # (on the CPU, host memory is the device's but its layout (positions first) is not; on
+    # CUDA the exactness row (1c) compares pinned host memory with the GPU)
     x, y, _ = window()
     w = np.r_[np.zeros(64), np.ones(128)]  # six chunks of 32: a short re-decode per stride
     _, ref = window_gradient(lora_model, x, y, w, chunk=32)
-    _, host = window_gradient(lora_model, x, y, w, chunk=32, accumulators="host")
+    _, host = window_gradient(lora_model, x, y, w, chunk=32, accumulators="host", store="host")
     assert rel(flat(host), flat(ref)) < 1e-7
     foot = models.footprint(lora_model)
     if foot.recurrent:  # room for a few checkpoints: the others re-decoded in the reverse pass

@@ -19,30 +19,53 @@ from transformers.cache_utils import Cache
 
 
 class Store:
-    """The window's K/V, one (K, V) pair of (B, kv heads, positions, head dim) per attention
-    layer, allocated at the first write (the model says the shapes)."""
+    """The window's K/V, one (K, V) pair per attention layer, allocated at the first write (the
+    model says the shapes). On the device a pair is (B, kv heads, positions, head dim), the layout
+    attention reads in place; in host memory (pinned under CUDA) it is (B, positions, kv heads,
+    head dim), so a run of positions is one contiguous block that moves without staging."""
 
-    def __init__(self, positions: int, dtype: torch.dtype | None = None, device=None):
+    def __init__(self, positions: int, dtype: torch.dtype | None = None, device=None, host=False):
         self.positions = positions
         self.dtype = dtype
         self.device = device
+        self.host = host
         self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _allocate(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        b, heads, _, dk = k.shape  # (B, kv heads, n, head dim)
+        dtype = self.dtype or k.dtype
+        if self.host:
+            pin = k.device.type == "cuda"
+            shapes = [(b, self.positions, heads, d) for d in (dk, v.shape[-1])]
+            self.kv[layer] = tuple(
+                torch.empty(s, dtype=dtype, device="cpu", pin_memory=pin) for s in shapes
+            )
+        else:
+            device = self.device or k.device
+            shapes = [(b, heads, self.positions, d) for d in (dk, v.shape[-1])]
+            self.kv[layer] = tuple(torch.empty(s, dtype=dtype, device=device) for s in shapes)
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         if layer not in self.kv:
-            shape = (*k.shape[:2], self.positions, k.shape[-1])
-            dtype, device = self.dtype or k.dtype, self.device or k.device
-            self.kv[layer] = (
-                torch.empty(shape, dtype=dtype, device=device),
-                torch.empty((*shape[:3], v.shape[-1]), dtype=dtype, device=device),
-            )
+            self._allocate(layer, k, v)
         end = start + k.shape[2]
-        self.kv[layer][0][:, :, start:end].copy_(k, non_blocking=True)
-        self.kv[layer][1][:, :, start:end].copy_(v, non_blocking=True)
+        for x, new in zip(self.kv[layer], (k, v)):
+            if self.host:  # (B, n, heads, dim) on the device first: one block per copy
+                x[:, start:end].copy_(new.transpose(1, 2).to(x.dtype), non_blocking=True)
+            else:
+                x[:, :, start:end].copy_(new, non_blocking=True)
 
     def read(self, layer: int, start: int, end: int, device, dtype) -> tuple[torch.Tensor, ...]:
-        k, v = self.kv[layer]
-        return tuple(x[:, :, start:end].to(device, dtype, non_blocking=True) for x in (k, v))
+        """Positions [start, end) as (B, kv heads, n, head dim): a view on the device when the
+        dtype matches; from the host, a copy."""
+        if self.host:
+            return tuple(
+                x[:, start:end].to(device, non_blocking=True).to(dtype).transpose(1, 2)
+                for x in self.kv[layer]
+            )
+        return tuple(
+            x[:, :, start:end].to(device, dtype, non_blocking=True) for x in self.kv[layer]
+        )
 
     def bytes(self) -> int:
         return sum(x.numel() * x.element_size() for kv in self.kv.values() for x in kv)
@@ -80,9 +103,10 @@ class WalkCache(Cache):
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         if not self.train and self.write:
             self.store.write(layer_idx, self.start, key_states, value_states)
-            dev, dt = key_states.device, key_states.dtype
-            return self.store.read(layer_idx, 0, self.end, dev, dt)
-        if not self.train:  # a re-decode (a state from a checkpoint): the store holds it already
+            if not self.store.host:  # the whole [0, end) in place
+                dev, dt = key_states.device, key_states.dtype
+                return self.store.read(layer_idx, 0, self.end, dev, dt)
+        if not self.train:  # the prefix from the store, the chunk's own K/V as they are
             prefix = self.store.read(layer_idx, 0, self.start, key_states.device, key_states.dtype)
             return tuple(
                 torch.cat([p, x], dim=2) for p, x in zip(prefix, (key_states, value_states))

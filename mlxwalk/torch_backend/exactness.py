@@ -2,7 +2,7 @@
 a transformers model with a PEFT adapter (the rows and bars of mlxwalk/exactness.py):
   (1)  every position labelled, 4 chunks: the exact walk and the plain walk vs one graph
   (1b) a bfloat16 K/V store vs the float32 one graph
-  (1c) K/V gradient accumulators in host memory vs on the device
+  (1c) the K/V store and gradient accumulators in host memory vs on the device
   (2)  context then reply, 4 chunks vs one chunk per run
   (3)  a host budget of 1 byte is refused, naming host memory, and the adapter is untouched
   (4)  recurrent models: a host budget of 3/4 of the checkpoints forces a stride > 1, holds
@@ -73,9 +73,9 @@ class Table:
         )
         self.compared(
             "(1c)",
-            "K/V gradient accumulators in host memory vs on the device",
+            "the K/V store and gradient accumulators in host memory vs on the device",
             EXACT,
-            lambda: self.grad(every, chunk=c, accumulators="host"),
+            lambda: self.grad(every, chunk=c, accumulators="host", store="host"),
             lambda: exact,
         )
         self.compared(

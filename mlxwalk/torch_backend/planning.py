@@ -1,7 +1,8 @@
-"""`mlxwalk plan --backend torch`: the exact walk's plan for a transformers model, from its
-config alone (the weights are not read): chunks, the checkpoint stride a host budget allows, and
-the memory the walk holds beside one chunk's graph. One chunk's graph is not measured on this
-backend yet, so a memory budget is refused rather than guessed at."""
+"""`mlxwalk plan --backend torch`: the exact walk's plan for a transformers model. Without a
+memory budget, from its config alone (the weights are not read): chunks, the checkpoint stride a
+host budget allows, and the memory the walk holds beside one chunk's graph. With one (GPU memory),
+the model is loaded on the GPU with its adapter and one chunk's graph measured there: the
+estimate, where the store and accumulators go, and the verdict."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import numpy as np
 import torch
 
 from ..plan import OutOfMemory, PlanError, mib, plan_window
+from ..walk.config import Window
 from .model import footprint
-from .walk import DTYPES
+from .walk import DTYPES, mib_bytes
 
 
 def meta_model(folder):
@@ -25,12 +27,12 @@ def meta_model(folder):
 def run(args, echo=print) -> int:
     from .train import model_folder
 
-    if args.memory_budget_mib is not None:
-        raise PlanError("--memory-budget-mib is not taken by the torch backend yet")
     if args.cache_type not in DTYPES:
         raise PlanError(
             f"--cache-type {args.cache_type}: the torch backend stores K/V as {', '.join(DTYPES)}"
         )
+    if args.memory_budget_mib is not None:
+        return measured(args, echo)
     model = meta_model(model_folder(args.model))
     foot = footprint(model)
     store_bytes = DTYPES[args.cache_type].itemsize
@@ -58,4 +60,51 @@ def run(args, echo=print) -> int:
         f"{mib(host) if host else 'none'}: fits"
     )
     echo("verdict: fits (the graph aside)")
+    return 0
+
+
+def measured(args, echo=print) -> int:
+    """The plan under a memory budget: the walk's admission on the model, on the GPU."""
+    from .model import add_lora, load
+    from .train import DEFAULT_KEYS, model_folder
+    from .walk import ExactWalk, TorchWalkConfig
+
+    if not torch.cuda.is_available():
+        raise PlanError("--memory-budget-mib counts CUDA memory, and there is no CUDA device here")
+    layers = None if args.num_layers == -1 else args.num_layers
+    model = add_lora(
+        load(model_folder(args.model), dtype=torch.bfloat16, device="cuda"),
+        rank=args.rank,
+        layers=layers,
+        keys=DEFAULT_KEYS,
+    )
+    config = TorchWalkConfig(
+        chunk=args.chunk,
+        horizon=args.horizon,
+        store_dtype=args.cache_type,
+        host_budget_mib=args.host_budget_mib,
+        memory_budget_mib=args.memory_budget_mib,
+    )
+    echo(
+        f"model {args.model} ({model.config.model_type}, torch backend, CUDA), window "
+        f"{args.window}, chunk {args.chunk}, horizon {args.horizon or 'the whole window'}, "
+        f"K/V store {args.cache_type}, memory budget {mib(mib_bytes(args.memory_budget_mib))}"
+    )
+    ones = np.ones(args.window)
+    try:
+        walk = ExactWalk(model, Window.of(ones, ones, ones), config)
+    except OutOfMemory as e:
+        echo(f"verdict: does not fit: {e}")
+        return 1
+    echo(f"  {len(walk.plan.chunks)} chunks, checkpoint stride {walk.plan.stride}")
+    for line in walk.estimate.lines():
+        echo(line)
+    cut = [c.index for c in walk.plan.chunks if walk.narrowed_taps(c) < c.start - c.grad_from]
+    if cut:
+        echo(
+            f"verdict: fits with a narrowed horizon: chunks {cut[0]} to {cut[-1]} narrow theirs "
+            "(the forward still sees the whole window, the gradient is no longer exact)"
+        )
+    else:
+        echo("verdict: fits")
     return 0

@@ -7,8 +7,10 @@ PEFT's (`adapter_model.safetensors` + `adapter_config.json`, which `mlxwalk conv
 turns into mlx-lm's), and a checkpoint (`checkpoints/window-NNNNNNN`: the adapter, the
 optimizer's state, the position in the data) is a folder written whole, then renamed into place.
 `--resume` continues from the newest one when the run's identity (run.json) matches.
-Flags the torch walk does not take (a memory budget, --recompute, --strict-exact, a q8 cache)
-are refused before anything is written.
+Under --memory-budget-mib (GPU memory, as torch's CUDA allocator counts it) the walk places the
+K/V store and accumulators in pinned host memory as needed (budget.py) and a window it had to
+narrow is said so on the bar and in the epoch's line. Flags the torch walk does not take
+(--recompute, a q8 cache, dropout) are refused before anything is written.
 """
 
 from __future__ import annotations
@@ -39,10 +41,10 @@ DEFAULT_KEYS = ("q_proj", "v_proj", "in_proj_qkv", "in_proj_z")  # attention and
 
 
 def refuse_unsupported(cfg: TrainConfig) -> None:
-    if cfg.memory_budget_mib is not None:
-        raise PlanError("--memory-budget-mib is not taken by the torch backend yet")
-    if cfg.recompute or cfg.strict_exact:
-        raise PlanError("--recompute and --strict-exact are not taken by the torch backend yet")
+    if cfg.recompute:
+        raise PlanError("--recompute is not taken by the torch backend yet")
+    if cfg.memory_budget_mib is not None and not torch.cuda.is_available():
+        raise PlanError("--memory-budget-mib counts CUDA memory, and there is no CUDA device here")
     if cfg.cache_type not in DTYPES:
         raise PlanError(
             f"--cache-type {cfg.cache_type}: the torch backend stores K/V as {', '.join(DTYPES)}"
@@ -138,11 +140,14 @@ class TorchRun:
             horizon=cfg.horizon,
             store_dtype=cfg.cache_type,
             host_budget_mib=cfg.host_budget_mib,
+            memory_budget_mib=cfg.memory_budget_mib,
+            strict_exact=cfg.strict_exact,
             follow_runs=cfg.follow_runs,
         )
         largest = max(self.train_set.examples, key=lambda e: np.flatnonzero(e.weights).max())
         win = Window.of(largest.inputs, largest.targets, largest.weights)
-        self.plan = ExactWalk(self.model, win, self.walk_config).plan  # a host refusal: here
+        # a refusal (host memory, the memory budget, --strict-exact) comes here, before any step
+        self.plan = ExactWalk(self.model, win, self.walk_config).plan
         if cfg.resume:
             self.resume(held)
 
@@ -240,6 +245,8 @@ class TorchRun:
         )
         self.schedule.step()
         seconds = time.perf_counter() - tic
+        used = getattr(walk, "horizon_used", self.cfg.horizon)
+        narrowed = used != self.cfg.horizon
         self.position = replace(
             p,
             index=p.index + 1,
@@ -248,9 +255,11 @@ class TorchRun:
             tokens=p.tokens + example.trainable,
             seconds=p.seconds + seconds,
             losses=[*p.losses, round(walk.loss, 6)],
+            narrowed=p.narrowed + narrowed,
+            horizon=min(p.horizon or used, used) if narrowed else p.horizon,
         )
         peak = torch.cuda.max_memory_allocated() if self.device.type == "cuda" else 0
-        bar.window(walk.loss, len(example) / seconds, peak / 2**20)
+        bar.window(walk.loss, len(example) / seconds, peak / 2**20, used if narrowed else None)
 
     def evaluate(self) -> float | None:
         if not self.valid_set.examples:
@@ -277,6 +286,8 @@ class TorchRun:
             train_tok_s=round(tokens / p.seconds, 1) if p.seconds else 0.0,
             windows=p.index,
             partial=partial,
+            windows_narrowed=p.narrowed,
+            smallest_horizon=p.horizon or None,
         )
         self.echo(report.epoch_line(row))
         if partial:  # --iters stopped mid-epoch: a resumed run goes on with this epoch's sums
@@ -289,6 +300,8 @@ class TorchRun:
                 loss_sum=0.0,
                 tokens=0,
                 seconds=0.0,
+                narrowed=0,
+                horizon=0,
                 epochs=[*p.epochs, asdict(row)],
             )
         self.checkpoint()

@@ -14,18 +14,25 @@ The adapter must not change between the start of decode_forward and the end of r
 
 from __future__ import annotations
 
+import logging
 import time
+import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ..plan import Footprint, cut, plan_window
+from ..plan import Footprint, OutOfMemory, PlanError, cut, plan_window
+from ..walk.budget import Activations, graph_bytes, narrowed
 from ..walk.config import Window
+from ..walk.probe import fit
+from . import budget as budgets
 from .cache import Store, WalkCache
 from .model import footprint
+
+log = logging.getLogger("mlxwalk")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -35,8 +42,13 @@ class TorchWalkConfig:
     chunk: int
     horizon: int = 0  # 0 = the whole window
     store_dtype: str | None = None  # the K/V store (None: the model's dtype)
+    store: str = "device"  # where the K/V store lives: device or host
     accumulators: str = "device"  # where the K/V gradient accumulators live: device or host
     host_budget_mib: float | None = None
+    strict_exact: bool = False  # refuse a window the memory budget would narrow the horizon of
+    # all torch's allocator holds on the GPU while a window trains; under it the accumulators,
+    # then the store, go to host memory as needed, then late chunks narrow their horizon
+    memory_budget_mib: float | None = None
     follow_runs: bool = True
 
 
@@ -100,7 +112,7 @@ class Walk:
 
     def new_store(self, positions: int) -> None:
         dtype = DTYPES[self.config.store_dtype] if self.config.store_dtype else None
-        self.store = Store(positions, dtype, self.device)
+        self.store = Store(positions, dtype, self.device, host=self.config.store == "host")
 
     def hidden(self, start: int, end: int, cache: WalkCache) -> torch.Tensor:
         """The decoder's last hidden states (1, end - start, hidden) against the cache."""
@@ -161,6 +173,10 @@ class _EvalMode:
         self.model.train(self.was)
 
 
+def mib_bytes(value: float | None) -> int | None:
+    return None if value is None else int(value * 2**20)
+
+
 def _now(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -172,53 +188,168 @@ def _allocated(device: torch.device) -> int:
 
 
 class Accumulators:
-    """The K/V gradient of every computed position (float32), on the device or in pinned host
-    memory, and the adjoint of the states entering the chunk trained last."""
+    """The K/V gradient of every computed position (float32), and the adjoint of the states
+    entering the chunk trained last. On the device, (B, kv heads, positions, head dim) per K and
+    V; in host memory (pinned under CUDA), (B, positions, kv heads, head dim), so a chunk's rows
+    are one contiguous block: a chunk's taps are added on the GPU (their block copied up, added
+    to, copied back) on a side stream, overlapping the next chunk's forward."""
 
     def __init__(self, store: Store, where: str, device: torch.device):
-        host = where == "host"
+        self.host = where == "host"
         self.device = device
-        self.kv = {
-            n: tuple(
-                torch.zeros(
-                    x.shape,
-                    dtype=torch.float32,
-                    device="cpu" if host else device,
-                    pin_memory=host and device.type == "cuda",
-                )
-                for x in kv
-            )
-            for n, kv in store.kv.items()
-        }
+        cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.host and cuda else None
+
+        def zeros(x: torch.Tensor) -> torch.Tensor:
+            if not self.host:
+                return torch.zeros(x.shape, dtype=torch.float32, device=device)
+            b, heads, n, d = x.shape
+            return torch.zeros((b, n, heads, d), dtype=torch.float32, pin_memory=cuda)
+
+        self.kv = {n: tuple(zeros(x) for x in kv) for n, kv in self.device_shaped(store).items()}
         self.states: dict[int, dict[str, torch.Tensor]] = {}
 
-    def adjoint(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return tuple(x[:, :, start:end].to(self.device, non_blocking=True) for x in self.kv[layer])
+    @staticmethod
+    def device_shaped(store: Store) -> dict[int, tuple[torch.Tensor, ...]]:
+        """The store's pairs as (B, kv heads, positions, head dim), whichever layout it holds."""
+        if not store.host:
+            return store.kv
+        return {n: tuple(x.transpose(1, 2) for x in kv) for n, kv in store.kv.items()}
 
-    def add(self, layer: int, start: int, grads: tuple[torch.Tensor, torch.Tensor]) -> None:
+    def adjoint(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, ...]:
+        """Positions [start, end) as (B, kv heads, n, head dim), on the device."""
+        if not self.host:
+            return tuple(x[:, :, start:end] for x in self.kv[layer])
+        self.wait()
+        return tuple(
+            x[:, start:end].to(self.device, non_blocking=True).transpose(1, 2)
+            for x in self.kv[layer]
+        )
+
+    def add(self, layer: int, start: int, grads: tuple[torch.Tensor | None, ...]) -> None:
         for acc, g in zip(self.kv[layer], grads):
-            if g is not None:
-                acc[:, :, start : start + g.shape[2]] += g.to(acc.device, torch.float32)
+            if g is None:
+                continue
+            end = start + g.shape[2]
+            if not self.host:
+                acc[:, :, start:end] += g.float()
+            elif self.stream is None:  # the CPU: the host is the device
+                acc[:, start:end] += g.transpose(1, 2).float()
+            else:
+                self._add_on_side_stream(acc[:, start:end], g)
+
+    def _add_on_side_stream(self, block: torch.Tensor, g: torch.Tensor) -> None:
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            up = block.to(self.device, non_blocking=True)  # (B, n, kv heads, head dim)
+            up += g.transpose(1, 2)
+            block.copy_(up, non_blocking=True)
+        g.record_stream(self.stream)  # not reused by the main stream before the copy is done
+
+    def wait(self) -> None:
+        """The main stream waits for the side stream's copies (before reading what they wrote)."""
+        if self.stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+    def release(self) -> None:
+        if self.stream is not None:
+            self.stream.synchronize()  # no copy may still write into memory given back
+        self.kv, self.states = {}, {}
 
     def bytes(self) -> int:
         return sum(x.numel() * x.element_size() for kv in self.kv.values() for x in kv)
 
 
 class ExactWalk(Walk):
-    """One window's exact walk; the plan comes before any tensor of the window."""
+    """One window's exact walk; the plan, its placement under a memory budget (budget.py) and
+    any refusal come before any tensor of the window."""
 
-    def __init__(self, model, window: Window, config: TorchWalkConfig):
+    def __init__(self, model, window: Window, config: TorchWalkConfig, acts=None):
         super().__init__(model, window, config)
-        host = None if config.host_budget_mib is None else int(config.host_budget_mib * 2**20)
         self.plan = plan_window(
             window.weights.tolist(),
             config.chunk,
             self.footprint,
             horizon=config.horizon,
-            host_budget=host,
+            host_budget=mib_bytes(config.host_budget_mib),
             follow_runs=config.follow_runs,
         )
         self.checkpoints: dict[int, dict] = {}
+        self.horizon_used = config.horizon  # narrowed per chunk if the memory budget asks
+        self.estimate = self.admit(acts)
+        if config.strict_exact:
+            self.refuse_narrowing()
+
+    def admit(self, acts) -> budgets.Estimate | None:
+        """Under a memory budget: one chunk's graph (`acts`, else probed on this model), the
+        placement of the store and accumulators, or a refusal."""
+        budget = mib_bytes(self.config.memory_budget_mib)
+        if budget is None:
+            return None
+        self.acts = acts or probe(self.model, self.config.chunk, self.config.store_dtype)
+        element = (DTYPES[self.config.store_dtype] if self.config.store_dtype else None) or next(
+            self.model.parameters()
+        ).dtype
+        est = budgets.estimate(
+            self.model, self.plan, self.acts, element.itemsize, resident=self.resident()
+        )
+        last = self.plan.chunks[-1]
+        least = self.graph_bytes(min(self.plan.chunk, last.start - last.grad_from), last.start)
+        asked = (self.config.store, self.config.accumulators)
+        first = next(p for p in budgets.PLACEMENTS if all(a != "host" or b == "host"
+                                                          for a, b in zip(asked, p)))  # fmt: skip
+        est = budgets.place(est, least, budget, first)
+        self.config = replace(self.config, store=est.store_at, accumulators=est.accumulators_at)
+        return est
+
+    def resident(self) -> int:
+        """What the allocator holds now beyond the model's parameters and the optimizer's moments
+        (the adapter's share counts those)."""
+        params = list(self.model.parameters())
+        moments = 2 * budgets.tensor_bytes(p for p in params if p.requires_grad)  # Adam's, if any
+        return max(0, _allocated(self.device) - budgets.tensor_bytes(params) - moments)
+
+    def graph_bytes(self, taps: int, prefix: int) -> int:
+        return graph_bytes(self.acts, self.footprint, taps, prefix)
+
+    def grad_from(self, chunk) -> int:
+        """The chunk's first tapped position: the plan's, or, when its graph would not fit the
+        memory budget, `narrowed_taps` before it (this chunk only; logged)."""
+        taps = chunk.start - chunk.grad_from
+        narrowed = self.narrowed_taps(chunk)
+        if narrowed < taps:
+            log.info(
+                "chunk %d: its graph with %d tapped positions exceeds the memory budget of "
+                "%.1f MiB; horizon narrowed to %d for this chunk",
+                chunk.index,
+                taps,
+                self.config.memory_budget_mib,
+                narrowed,
+            )
+            self.horizon_used = min(self.horizon_used or narrowed, narrowed)
+        return chunk.start - narrowed
+
+    def narrowed_taps(self, chunk) -> int:
+        taps = chunk.start - chunk.grad_from
+        if self.estimate is None or chunk.start == 0:
+            return taps
+        rest = self.estimate.gpu - self.estimate.graph
+        budget = mib_bytes(self.config.memory_budget_mib)
+        return narrowed(
+            taps, self.plan.chunk, lambda t: rest + self.graph_bytes(t, chunk.start) <= budget
+        )
+
+    def refuse_narrowing(self) -> None:
+        """--strict-exact: a window whose gradient the budget would cut is refused up front."""
+        for chunk in self.plan.chunks:
+            taps = chunk.start - chunk.grad_from
+            if (fewer := self.narrowed_taps(chunk)) < taps:
+                raise OutOfMemory(
+                    f"the memory budget of {self.config.memory_budget_mib:,.0f} MiB fits chunk "
+                    f"{chunk.index} only with its horizon narrowed from {taps} to {fewer} "
+                    "positions, and --strict-exact refuses a gradient that is not exact: raise "
+                    "--memory-budget-mib, or give a smaller --chunk"
+                )
 
     def run(self) -> float:
         """The window's loss; the adapter's gradient is in its parameters' `.grad`. The phases'
@@ -231,7 +362,8 @@ class ExactWalk(Walk):
             self.memory = {"after decode": _allocated(self.device)}
             loss = self.reverse()
         self.seconds = {"decode": decoded - start, "reverse": _now(self.device) - decoded}
-        self.accumulator_bytes = self.acc.bytes()
+        self.accumulator_bytes, self.store_bytes = self.acc.bytes(), self.store.bytes()
+        self.acc.release()
         self.store = self.acc = None
         self.checkpoints = {}
         return loss
@@ -268,7 +400,7 @@ class ExactWalk(Walk):
         return loss
 
     def train_chunk(self, chunk) -> float:
-        s, e, gf = chunk.start, chunk.end, chunk.grad_from
+        s, e, gf = chunk.start, chunk.end, self.grad_from(chunk)
         cache = WalkCache(
             self.store,
             s,
@@ -295,6 +427,43 @@ class ExactWalk(Walk):
             for n, st in cache.entry.items()
         }
         return float(loss.detach())
+
+
+def probe(model, chunk: int, store_dtype: str | None = None) -> Activations:
+    """One chunk's graph on this model, from the peaks of three exact walks of its own (the
+    MLX walk's probe, mlxwalk/walk/probe.py), as torch's CUDA allocator counts them: less the
+    store and accumulators the walk held and the adapter's gradient (counted apart)."""
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        raise PlanError(
+            f"--memory-budget-mib counts CUDA memory, and the model is on the {device.type}"
+        )
+    trainable = budgets.tensor_bytes(p for p in model.parameters() if p.requires_grad)
+
+    def graph(ids: np.ndarray, n: int, horizon: int) -> float:
+        config = TorchWalkConfig(chunk, horizon, store_dtype=store_dtype)
+        window = Window.of(ids[:n], ids[1 : n + 1], np.ones(n))
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        walk = ExactWalk(model, window, config)
+        walk.run()
+        peak = torch.cuda.max_memory_allocated(device) - base
+        model.zero_grad(set_to_none=True)
+        return peak - walk.store_bytes - walk.accumulator_bytes - trainable
+
+    shapes = tuple(
+        (n, tuple(p.shape), p.dtype) for n, p in model.named_parameters() if p.requires_grad
+    )
+    key = (id(model), chunk, store_dtype, hash(shapes))  # a new adapter is a new graph
+    if key not in _probes or _probes[key][0]() is not model:
+        vocab = model.get_output_embeddings().weight.shape[0]
+        _probes[key] = (weakref.ref(model), fit(chunk, footprint(model).kv_width * 4, vocab, graph))
+    return _probes[key][1]
+
+
+_probes: dict[tuple, tuple] = {}
 
 
 class PlainWalk(Walk):

@@ -93,6 +93,14 @@ def graph_bytes(acts: Activations, footprint: Footprint, taps: int, prefix: int 
     return int(acts.graph + (acts.tap_factor * taps + acts.prefix_factor * prefix) * width)
 
 
+def narrowed(taps: int, size: int, fits) -> int:
+    """The tapped positions a chunk's graph fits with (`fits(taps)`): all of them, else half and
+    again, a multiple of the chunk `size`, never below one chunk. Shared by both frameworks."""
+    while taps > size and not fits(taps):
+        taps = max(size, taps // 2 // size * size)
+    return taps
+
+
 def estimate(
     model,
     layout,
@@ -155,4 +163,13 @@ def live_peak(fn) -> int:
         mx.set_memory_limit(previous)
 
 
-__all__ = ["Activations", "Estimate", "MIB", "admit", "estimate", "live_peak", "what_fits"]
+__all__ = [
+    "Activations",
+    "Estimate",
+    "MIB",
+    "admit",
+    "estimate",
+    "live_peak",
+    "narrowed",
+    "what_fits",
+]

@@ -128,11 +128,10 @@ class ExactWalk(ChunkRunner):
         if self.estimate is None or chunk.start == 0:
             return taps
         rest = self.estimate.total - self.estimate.graph
-        fits = lambda t: rest + self.graph_bytes(t, chunk.start) <= self.config.device_budget  # noqa: E731
-        narrowed = taps
-        while narrowed > size and not fits(narrowed):
-            narrowed = max(size, narrowed // 2 // size * size)
-        return narrowed
+        budget_bytes = self.config.device_budget
+        return budget.narrowed(
+            taps, size, lambda t: rest + self.graph_bytes(t, chunk.start) <= budget_bytes
+        )
 
     def refuse_narrowing(self) -> None:
         """--strict-exact: a window whose gradient the budget would cut is refused up front."""

@@ -1,0 +1,114 @@
+"""The torch walk's GPU memory, estimated before a window's tensors exist, and its placement.
+
+The memory budget counts what torch's CUDA allocator holds while a window trains (its
+`max_memory_allocated`): the weights, the adapter with its gradient and Adam's two moments, the
+recurrent checkpoints, one chunk's graph, and the K/V store and accumulators while they are on
+the GPU. One chunk's graph is measured on the model (the MLX walk's probe, mlxwalk/walk/probe.py,
+with torch's peak counter); the rest is computed from the plan.
+
+Under a budget the walk places its parts: everything on the GPU when the whole horizon fits
+there; else the accumulators in pinned host memory; else the store too. When even that does not
+fit the whole horizon, late chunks narrow theirs (the walk says so); a walk that would not fit
+with one chunk of taps is refused before any tensor of the window.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ..plan import OutOfMemory, Plan, mib
+from ..walk.budget import Activations, graph_bytes
+
+# (store, accumulators), least host memory first
+PLACEMENTS = (("device", "device"), ("device", "host"), ("host", "host"))
+
+
+@dataclass(frozen=True)
+class Estimate:
+    weights: int
+    adapter: int  # trainable parameters, their gradient and Adam's two moments
+    store: int
+    accumulators: int
+    checkpoints: int
+    graph: int
+    resident: int = 0  # what else the allocator holds when the walk starts
+    store_at: str = "device"
+    accumulators_at: str = "device"
+
+    @property
+    def gpu(self) -> int:
+        on_gpu = self.weights + self.adapter + self.resident + self.checkpoints + self.graph
+        if self.store_at == "device":
+            on_gpu += self.store
+        if self.accumulators_at == "device":
+            on_gpu += self.accumulators
+        return on_gpu
+
+    @property
+    def host(self) -> int:
+        return (self.store if self.store_at == "host" else 0) + (
+            self.accumulators if self.accumulators_at == "host" else 0
+        )
+
+    def lines(self) -> list[str]:
+        return [
+            f"  weights              {mib(self.weights):>12}",
+            f"  adapter + state      {mib(self.adapter):>12}",
+            *([f"  other tensors        {mib(self.resident):>12}"] if self.resident else []),
+            f"  graph                {mib(self.graph):>12}   (one chunk, at the last chunk's taps)",
+            f"  K/V store            {mib(self.store):>12}   ({self.store_at})",
+            f"  K/V accumulators     {mib(self.accumulators):>12}   ({self.accumulators_at})",
+            f"  recurrent checkpoints{mib(self.checkpoints):>12}   (device)",
+            f"  GPU total            {mib(self.gpu):>12}",
+            f"  pinned host total    {mib(self.host):>12}",
+        ]
+
+
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def estimate(
+    model, plan: Plan, acts: Activations, store_element: int, resident: int = 0
+) -> Estimate:
+    """The walk's memory for `plan` at its last chunk (the one with the most taps), on the GPU."""
+    from .model import footprint
+
+    params = list(model.parameters())
+    trainable = tensor_bytes(p for p in params if p.requires_grad)
+    foot = footprint(model)
+    last = plan.chunks[-1]
+    return Estimate(
+        weights=tensor_bytes(params) - trainable,
+        adapter=4 * trainable,
+        store=plan.computed * foot.kv_width * store_element,
+        accumulators=plan.accumulator_bytes,
+        checkpoints=plan.checkpoint_bytes,
+        graph=graph_bytes(acts, foot, last.start - last.grad_from, last.start),
+        resident=resident,
+    )
+
+
+def place(est: Estimate, least_graph: int, budget: int, first: tuple[str, str]) -> Estimate:
+    """The placement that fits the whole horizon with the least in host memory, from `first`
+    on; else everything placeable on the host, if one chunk of taps fits it (`least_graph`: the
+    graph then); else a refusal naming each part."""
+    options = [replace(est, store_at=s, accumulators_at=a) for s, a in PLACEMENTS]
+    options = options[PLACEMENTS.index(first) :]
+    for option in options:
+        if option.gpu <= budget:
+            return option
+    least = replace(options[-1], graph=least_graph)
+    if least.gpu <= budget:
+        return options[-1]
+    raise OutOfMemory(
+        f"GPU memory: the walk needs {mib(least.gpu)} at least (weights {mib(least.weights)}, "
+        f"adapter and optimizer {mib(least.adapter)}, checkpoints {mib(least.checkpoints)}, one "
+        f"chunk's graph {mib(least.graph)}"
+        + (f", other tensors {mib(least.resident)}" if least.resident else "")
+        + f"; the K/V store and accumulators in host memory) but the memory budget is "
+        f"{mib(budget)}; a shorter window or a smaller chunk would need less"
+    )
+
+
+__all__ = ["Estimate", "PLACEMENTS", "estimate", "place"]
