@@ -5,11 +5,15 @@ one window, random bf16 weights of a realistic shape, LoRA r8 on the last 16 lay
 
     scripts/bench-torch.py attention [--windows 8192 16384 65536]   Qwen2.5-0.5B shape
     scripts/bench-torch.py hybrid [--windows 4096 16384 65536]      Qwen3.5-like ~0.8B hybrid
-        [--kinds peft exact exact-host] [--chunk 4096] [--delta-rule mlxwalk] [--small]
+        [--kinds peft exact exact-host exact-budget] [--memory-budget-gib 16] [--chunk 4096]
+        [--delta-rule mlxwalk] [--small]
+    (also as scripts/bench-walk.py --backend torch ...)
 
 peft: transformers + PEFT, one graph, gradient checkpointing, transformers' SDPA and (hybrid)
 its torch delta rule; exact: the exact walk, chunk by chunk, K/V store in bf16, accumulators on
-the GPU; exact-host: the same with the K/V gradient accumulators in pinned host memory.
+the GPU; exact-host: the same with the K/V gradient accumulators in pinned host memory;
+exact-budget: under --memory-budget-gib, the store and accumulators placed by the walk's budget
+(the probe of one chunk's graph runs once, before the warm-up).
 `--small` shrinks every shape to check the script on a CPU.
 """
 
@@ -27,6 +31,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from mlxwalk.bench import SHAPES, SMALL  # noqa: E402
+from mlxwalk.plan import PlanError  # noqa: E402
 from mlxwalk.torch_backend import attention, recurrent  # noqa: E402
 from mlxwalk.torch_backend import model as models  # noqa: E402
 from mlxwalk.torch_backend.walk import TorchWalkConfig, train_window, weighted_loss  # noqa: E402
@@ -34,7 +39,7 @@ from mlxwalk.walk.config import Window  # noqa: E402
 
 GIB = 1 << 30
 SHAPE = {"attention": "qwen2-0.5b", "hybrid": "qwen3_5-0.8b"}
-MEMORY = ("after decode", "accumulators")
+MEMORY = ("after decode", "accumulators", "estimate")
 KEYS = ("q_proj", "v_proj", "in_proj_qkv", "in_proj_z")
 
 
@@ -101,7 +106,9 @@ def set_kind(model, kind: str, delta_rule: str) -> None:
         model.eval()  # no dropout either way; eval keeps transformers off its training-only paths
 
 
-def measure(model, kind: str, n: int, chunk: int, delta_rule: str, repeats: int) -> dict:
+def measure(
+    model, kind: str, n: int, chunk: int, delta_rule: str, repeats: int, budget_gib: float
+) -> dict:
     set_kind(model, kind, delta_rule)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-5)
@@ -110,6 +117,7 @@ def measure(model, kind: str, n: int, chunk: int, delta_rule: str, repeats: int)
         chunk=chunk,
         store_dtype="bfloat16",
         accumulators="host" if kind == "exact-host" else "device",
+        memory_budget_mib=budget_gib * 1024 if kind == "exact-budget" else None,
     )
     cuda = torch.cuda.is_available()
     host, phases = 0, {}
@@ -119,7 +127,13 @@ def measure(model, kind: str, n: int, chunk: int, delta_rule: str, repeats: int)
         if kind == "peft":
             return peft_step(model, win, optimizer)
         walk = train_window(model, optimizer, win, config)
-        host = walk.accumulator_bytes if kind == "exact-host" else 0
+        placed = walk.config
+        host = walk.accumulator_bytes * (placed.accumulators == "host")
+        host += walk.store_bytes * (placed.store == "host")
+        if walk.estimate is not None:
+            phases["store on"], phases["accumulators on"] = placed.store, placed.accumulators
+            phases["horizon used"] = walk.horizon_used or "whole"
+            phases["estimate"] = walk.estimate.gpu / GIB
         phases.update(walk.seconds)
         phases.update({k: v / GIB for k, v in walk.memory.items()})
         return walk.loss
@@ -146,7 +160,12 @@ def measure(model, kind: str, n: int, chunk: int, delta_rule: str, repeats: int)
         peak=peak,
         host=host / GIB,
         loss=loss,
-        phases=", ".join(f"{k} {v:.2f} {'GiB' if k in MEMORY else 's'}" for k, v in phases.items()),
+        phases=", ".join(
+            f"{k} {v}"
+            if isinstance(v, str) or k == "horizon used"
+            else f"{k} {v:.2f} {'GiB' if k in MEMORY else 's'}"
+            for k, v in phases.items()
+        ),  # fmt: skip
     )
 
 
@@ -226,6 +245,8 @@ def main() -> int:
     p.add_argument("--delta-rule", default="mlxwalk", choices=recurrent.ROUTES)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--small", action="store_true")
+    p.add_argument("--memory-budget-gib", type=float, nargs="+", default=[16.0],
+                   help="exact-budget: a row for each")  # fmt: skip
     p.add_argument("--attention-op", action="store_true", help="time the attention call only")
     a = p.parse_args()
     windows = a.windows or (
@@ -248,16 +269,20 @@ def main() -> int:
     print("| window | step | seconds | tokens/s | peak GPU GiB | pinned host GiB | loss | phases |")
     print("|---:|---|---:|---:|---:|---:|---:|---|", flush=True)
     for n in windows:
-        for kind in a.kinds:
+        budgets = {k: a.memory_budget_gib if k == "exact-budget" else [0.0] for k in a.kinds}
+        for kind, budget in [(k, b) for k in a.kinds for b in budgets[k]]:
+            label = f"{kind} {budget:g} GiB" if kind == "exact-budget" else kind
             try:
-                r = measure(model, kind, n, a.chunk, a.delta_rule, a.repeats)
+                r = measure(model, kind, n, a.chunk, a.delta_rule, a.repeats, budget)
                 print(
-                    f"| {n:,} | {kind} | {r['seconds']:.2f} | {r['tps']:,.0f} | "
+                    f"| {n:,} | {label} | {r['seconds']:.2f} | {r['tps']:,.0f} | "
                     f"{r['peak']:.1f} | {r['host']:.2f} | {r['loss']:.4f} | {r['phases']} |",
                     flush=True,
                 )
             except torch.OutOfMemoryError:
-                print(f"| {n:,} | {kind} | out of memory | | | | |", flush=True)
+                print(f"| {n:,} | {label} | out of memory | | | | |", flush=True)
+            except PlanError as e:
+                print(f"| {n:,} | {label} | refused: {e} | | | | |", flush=True)
             model.zero_grad(set_to_none=True)
             if device == "cuda":
                 torch.cuda.empty_cache()

@@ -6,6 +6,7 @@ step (with and without its grad_checkpoint), and the largest window each fits un
     scripts/bench-walk.py [-m tiny-qwen2] [--windows 2048 4096] [--chunk 256] [--repeats 3]
     scripts/bench-walk.py --vs-mlx-lm [--windows 1024 2048 4096] [--cap-mib 384]
                           [--max-window 16384]
+    scripts/bench-walk.py --backend torch attention|hybrid [...]   (scripts/bench-torch.py)
 """
 
 import argparse
@@ -25,6 +26,11 @@ from mlxwalk.walk import WalkConfig  # noqa: E402
 
 
 def main() -> int:
+    if sys.argv[1:3] == ["--backend", "torch"]:  # the torch walk against transformers + PEFT
+        import runpy
+
+        sys.argv = [str(Path(__file__).with_name("bench-torch.py")), *sys.argv[3:]]
+        runpy.run_path(sys.argv[0], run_name="__main__")
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("-m", "--model", default="tiny-qwen2")
     p.add_argument("--windows", type=int, nargs="+", default=[2048, 4096])

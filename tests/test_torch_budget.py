@@ -98,3 +98,24 @@ def test_asked_host_memory_is_kept(model):
 def test_the_probe_measures_cuda_memory_and_says_so_elsewhere(model):
     with pytest.raises(PlanError, match="--memory-budget-mib counts CUDA memory.*cpu"):
         probe(model, CHUNK)
+
+
+def test_the_graph_fit_holds_past_the_first_chunk_and_never_under_it():
+    from mlxwalk.plan import Footprint
+    from mlxwalk.torch_backend.budget import fit
+    from mlxwalk.walk.budget import graph_bytes
+
+    chunk, width = 64, 40
+
+    def true_graph(taps: int, prefix: int) -> float:  # a step once there is any prefix
+        return 1000.0 + (300.0 if prefix else 0.0) + 2.5 * taps * width + 0.5 * prefix * width
+
+    def walk(n: int, horizon: int) -> float:  # the last chunk's graph dominates the walk's
+        prefix = n - chunk
+        return true_graph(prefix if horizon == 0 else min(horizon, prefix), prefix)
+
+    acts = fit(chunk, width, walk)
+    foot = Footprint(kv_width=width // 4)
+    for taps, prefix in [(64, 64), (128, 128), (64, 448), (960, 960)]:
+        assert graph_bytes(acts, foot, taps, prefix) == pytest.approx(true_graph(taps, prefix))
+    assert graph_bytes(acts, foot, 0, 0) >= true_graph(0, 0)

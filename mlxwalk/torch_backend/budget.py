@@ -3,8 +3,8 @@
 The memory budget counts what torch's CUDA allocator holds while a window trains (its
 `max_memory_allocated`): the weights, the adapter with its gradient and Adam's two moments, the
 recurrent checkpoints, one chunk's graph, and the K/V store and accumulators while they are on
-the GPU. One chunk's graph is measured on the model (the MLX walk's probe, mlxwalk/walk/probe.py,
-with torch's peak counter); the rest is computed from the plan.
+the GPU. One chunk's graph is measured on the model (`fit`, from the peaks of four walks of its
+own, as torch's allocator counts them); the rest is computed from the plan.
 
 Under a budget the walk places its parts: everything on the GPU when the whole horizon fits
 there; else the accumulators in pinned host memory; else the store too. When even that does not
@@ -64,6 +64,21 @@ class Estimate:
         ]
 
 
+def fit(chunk: int, width: int, graph) -> Activations:
+    """One chunk's graph from four walks' (`graph(n, horizon)`: a walk's peak less what it
+    holds beside its graph; `width`: bytes of one position's K/V at float32): one chunk alone,
+    and a last chunk with one or two chunks of prefix, all tapped or one chunk tapped. A chunk
+    with any prefix costs more than the first chunk by a step (its attention and surrogate
+    paths) that a line through the first chunk would spread over the taps; so the line is
+    fitted through the chunks with a prefix, and never below the first chunk's graph."""
+    one = graph(chunk, 0)
+    a, b, c = graph(2 * chunk, 0), graph(3 * chunk, 0), graph(3 * chunk, chunk)
+    unit = chunk * width
+    tap = max(0.0, (b - c) / unit)
+    prefix = max(0.0, (c - a) / unit)
+    return Activations(chunk, max(one, a - (tap + prefix) * unit), tap, prefix)
+
+
 def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -111,4 +126,4 @@ def place(est: Estimate, least_graph: int, budget: int, first: tuple[str, str]) 
     )
 
 
-__all__ = ["Estimate", "PLACEMENTS", "estimate", "place"]
+__all__ = ["Estimate", "PLACEMENTS", "estimate", "fit", "place"]

@@ -27,7 +27,6 @@ from torch.utils.checkpoint import checkpoint
 from ..plan import Footprint, OutOfMemory, PlanError, cut, plan_window
 from ..walk.budget import Activations, graph_bytes, narrowed
 from ..walk.config import Window
-from ..walk.probe import fit
 from . import budget as budgets
 from .cache import Store, WalkCache
 from .model import footprint
@@ -430,37 +429,39 @@ class ExactWalk(Walk):
 
 
 def probe(model, chunk: int, store_dtype: str | None = None) -> Activations:
-    """One chunk's graph on this model, from the peaks of three exact walks of its own (the
-    MLX walk's probe, mlxwalk/walk/probe.py), as torch's CUDA allocator counts them: less the
-    store and accumulators the walk held and the adapter's gradient (counted apart)."""
+    """One chunk's graph on this model (budget.fit), measured by exact walks of its own with
+    torch's CUDA peak counter: less the store and accumulators the walk held and the adapter's
+    gradient (counted apart). Once per model, chunk, store dtype and adapter."""
     device = next(model.parameters()).device
     if device.type != "cuda":
         raise PlanError(
             f"--memory-budget-mib counts CUDA memory, and the model is on the {device.type}"
         )
-    trainable = budgets.tensor_bytes(p for p in model.parameters() if p.requires_grad)
+    trainable = [
+        (n, tuple(p.shape), p.dtype) for n, p in model.named_parameters() if p.requires_grad
+    ]
+    key = (id(model), chunk, store_dtype, hash(tuple(trainable)))  # a new adapter: a new graph
+    if key in _probes and _probes[key][0]() is model:
+        return _probes[key][1]
+    grads = budgets.tensor_bytes(p for p in model.parameters() if p.requires_grad)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    ids = np.random.default_rng(0).integers(0, vocab, 3 * chunk + 1)
 
-    def graph(ids: np.ndarray, n: int, horizon: int) -> float:
-        config = TorchWalkConfig(chunk, horizon, store_dtype=store_dtype)
+    def graph(n: int, horizon: int) -> float:
         window = Window.of(ids[:n], ids[1 : n + 1], np.ones(n))
         model.zero_grad(set_to_none=True)
         torch.cuda.synchronize(device)
         base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
-        walk = ExactWalk(model, window, config)
+        walk = ExactWalk(model, window, TorchWalkConfig(chunk, horizon, store_dtype=store_dtype))
         walk.run()
         peak = torch.cuda.max_memory_allocated(device) - base
         model.zero_grad(set_to_none=True)
-        return peak - walk.store_bytes - walk.accumulator_bytes - trainable
+        return peak - walk.store_bytes - walk.accumulator_bytes - grads
 
-    shapes = tuple(
-        (n, tuple(p.shape), p.dtype) for n, p in model.named_parameters() if p.requires_grad
-    )
-    key = (id(model), chunk, store_dtype, hash(shapes))  # a new adapter is a new graph
-    if key not in _probes or _probes[key][0]() is not model:
-        vocab = model.get_output_embeddings().weight.shape[0]
-        _probes[key] = (weakref.ref(model), fit(chunk, footprint(model).kv_width * 4, vocab, graph))
-    return _probes[key][1]
+    acts = budgets.fit(chunk, footprint(model).kv_width * 4, graph)
+    _probes[key] = (weakref.ref(model), acts)
+    return acts
 
 
 _probes: dict[tuple, tuple] = {}

@@ -44,20 +44,13 @@ def cached(model, chunk: int, recompute: bool, attention: str, peak: Measure) ->
 def measure(model, chunk: int, peak: Measure) -> Activations:
     layout = arch.inspect(model)
     width = layout.footprint().kv_width * 4
+    far = chunk * -(-2 * TILE // chunk)  # a prefix well past one attention tile
+    ids = np.random.default_rng(0).integers(0, layout.vocab, chunk + far + 1)  # ids the model has
 
-    def graph(ids: np.ndarray, n: int, horizon: int) -> float:  # less store and accumulators
+    def graph(n: int, horizon: int = 0) -> float:  # less the store and accumulators of n positions
         return peak(ids, n, horizon) - 2 * n * width
 
-    return fit(chunk, width, layout.vocab, graph)
-
-
-def fit(chunk: int, width: int, vocab: int, graph: Measure) -> Activations:
-    """Activations from three walks' graphs (`graph`: a walk's peak less what it holds beside
-    its graph); `width`: bytes of one position's K/V at float32. Shared by both frameworks."""
-    far = chunk * -(-2 * TILE // chunk)  # a prefix well past one attention tile
-    ids = np.random.default_rng(0).integers(0, vocab, chunk + far + 1)  # ids the model has
-    one, whole = graph(ids, chunk, 0), graph(ids, chunk + far, 0)
-    narrow = graph(ids, chunk + far, chunk)
+    one, whole, narrow = graph(chunk), graph(chunk + far), graph(chunk + far, chunk)
     tap = max(0.0, (whole - narrow) / ((far - chunk) * width)) if far > chunk else 0.0
     prefix = max(0.0, (narrow - one) / (far * width) - tap * chunk / far)
     if far == chunk:  # one chunk of prefix: taps and prefix can't be told apart
