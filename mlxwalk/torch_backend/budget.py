@@ -31,13 +31,19 @@ class Estimate:
     accumulators: int
     checkpoints: int
     graph: int
+    taps: int = 0  # the last chunk's tapped K/V, copied up into its graph from a host store
     resident: int = 0  # what else the allocator holds when the walk starts
     store_at: str = "device"
     accumulators_at: str = "device"
 
     @property
+    def chunk_graph(self) -> int:
+        """One chunk's graph as placed: a store on the device lends its taps in place."""
+        return self.graph + (self.taps if self.store_at == "host" else 0)
+
+    @property
     def gpu(self) -> int:
-        on_gpu = self.weights + self.adapter + self.resident + self.checkpoints + self.graph
+        on_gpu = self.weights + self.adapter + self.resident + self.checkpoints + self.chunk_graph
         if self.store_at == "device":
             on_gpu += self.store
         if self.accumulators_at == "device":
@@ -55,7 +61,7 @@ class Estimate:
             f"  weights              {mib(self.weights):>12}",
             f"  adapter + state      {mib(self.adapter):>12}",
             *([f"  other tensors        {mib(self.resident):>12}"] if self.resident else []),
-            f"  graph                {mib(self.graph):>12}   (one chunk, at the last chunk's taps)",
+            f"  graph                {mib(self.chunk_graph):>12}   (the last chunk's)",
             f"  K/V store            {mib(self.store):>12}   ({self.store_at})",
             f"  K/V accumulators     {mib(self.accumulators):>12}   ({self.accumulators_at})",
             f"  recurrent checkpoints{mib(self.checkpoints):>12}   (device)",
@@ -93,33 +99,35 @@ def estimate(
     trainable = tensor_bytes(p for p in params if p.requires_grad)
     foot = footprint(model)
     last = plan.chunks[-1]
+    taps = last.start - last.grad_from
     return Estimate(
         weights=tensor_bytes(params) - trainable,
         adapter=4 * trainable,
         store=plan.computed * foot.kv_width * store_element,
         accumulators=plan.accumulator_bytes,
         checkpoints=plan.checkpoint_bytes,
-        graph=graph_bytes(acts, foot, last.start - last.grad_from, last.start),
+        graph=graph_bytes(acts, foot, taps, last.start),
+        taps=taps * foot.kv_width * store_element,
         resident=resident,
     )
 
 
-def place(est: Estimate, least_graph: int, budget: int, first: tuple[str, str]) -> Estimate:
+def place(est: Estimate, least: Estimate, budget: int, first: tuple[str, str]) -> Estimate:
     """The placement that fits the whole horizon with the least in host memory, from `first`
-    on; else everything placeable on the host, if one chunk of taps fits it (`least_graph`: the
-    graph then); else a refusal naming each part."""
+    on; else everything placeable on the host, if one chunk of taps fits it (`least`: the
+    estimate then); else a refusal naming each part."""
     options = [replace(est, store_at=s, accumulators_at=a) for s, a in PLACEMENTS]
     options = options[PLACEMENTS.index(first) :]
     for option in options:
         if option.gpu <= budget:
             return option
-    least = replace(options[-1], graph=least_graph)
+    least = replace(least, store_at=options[-1].store_at, accumulators_at="host")
     if least.gpu <= budget:
         return options[-1]
     raise OutOfMemory(
         f"GPU memory: the walk needs {mib(least.gpu)} at least (weights {mib(least.weights)}, "
         f"adapter and optimizer {mib(least.adapter)}, checkpoints {mib(least.checkpoints)}, one "
-        f"chunk's graph {mib(least.graph)}"
+        f"chunk's graph {mib(least.chunk_graph)}"
         + (f", other tensors {mib(least.resident)}" if least.resident else "")
         + f"; the K/V store and accumulators in host memory) but the memory budget is "
         f"{mib(budget)}; a shorter window or a smaller chunk would need less"

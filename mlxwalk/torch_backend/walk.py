@@ -286,20 +286,27 @@ class ExactWalk(Walk):
         if budget is None:
             return None
         self.acts = acts or probe(self.model, self.config.chunk, self.config.store_dtype)
-        element = (DTYPES[self.config.store_dtype] if self.config.store_dtype else None) or next(
-            self.model.parameters()
-        ).dtype
         est = budgets.estimate(
-            self.model, self.plan, self.acts, element.itemsize, resident=self.resident()
+            self.model, self.plan, self.acts, self.store_element(), resident=self.resident()
         )
         last = self.plan.chunks[-1]
-        least = self.graph_bytes(min(self.plan.chunk, last.start - last.grad_from), last.start)
+        fewest = min(self.plan.chunk, last.start - last.grad_from)  # one chunk of taps
+        least = replace(
+            est, graph=self.graph_bytes(fewest, last.start), taps=self.tap_bytes(fewest)
+        )
         asked = (self.config.store, self.config.accumulators)
         first = next(p for p in budgets.PLACEMENTS if all(a != "host" or b == "host"
                                                           for a, b in zip(asked, p)))  # fmt: skip
         est = budgets.place(est, least, budget, first)
         self.config = replace(self.config, store=est.store_at, accumulators=est.accumulators_at)
         return est
+
+    def store_element(self) -> int:
+        dtype = DTYPES[self.config.store_dtype] if self.config.store_dtype else None
+        return (dtype or next(self.model.parameters()).dtype).itemsize
+
+    def tap_bytes(self, taps: int) -> int:
+        return taps * self.footprint.kv_width * self.store_element()
 
     def resident(self) -> int:
         """What the allocator holds now beyond the model's parameters and the optimizer's moments
@@ -332,11 +339,14 @@ class ExactWalk(Walk):
         taps = chunk.start - chunk.grad_from
         if self.estimate is None or chunk.start == 0:
             return taps
-        rest = self.estimate.gpu - self.estimate.graph
-        budget = mib_bytes(self.config.memory_budget_mib)
-        return narrowed(
-            taps, self.plan.chunk, lambda t: rest + self.graph_bytes(t, chunk.start) <= budget
-        )
+        est, budget = self.estimate, mib_bytes(self.config.memory_budget_mib)
+        rest = est.gpu - est.chunk_graph
+        copied = est.store_at == "host"  # the taps come up from host memory into the graph
+
+        def fits(t: int) -> bool:
+            return rest + self.graph_bytes(t, chunk.start) + copied * self.tap_bytes(t) <= budget
+
+        return narrowed(taps, self.plan.chunk, fits)
 
     def refuse_narrowing(self) -> None:
         """--strict-exact: a window whose gradient the budget would cut is refused up front."""
