@@ -1,6 +1,7 @@
 """The torch walk under a memory budget: the placement of the store and accumulators, the
 narrowed horizon, the refusals. One chunk's graph is given here (the probe measures CUDA memory,
-which the CPU has none of; scripts/check-torch-budget.py runs it on a GPU)."""
+which the CPU has none of; `scripts/bench-walk.py --backend torch ... --kinds exact-budget`
+runs it on a GPU, docs/BENCHMARKS.md)."""
 
 import logging
 
