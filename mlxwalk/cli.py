@@ -108,7 +108,11 @@ def fail(prog: str, e: BaseException) -> int:
         how = f" {e.args[0]}" if e.args else ""
         print(f"{prog}: interrupted{how}", file=sys.stderr)
         return 130
-    print(f"{prog}: error: {(str(e).splitlines() or [type(e).__name__])[0]}", file=sys.stderr)
+    if not getattr(e, "quiet", False):  # (a rank that is not the leader: the leader says it)
+        print(f"{prog}: error: {(str(e).splitlines() or [type(e).__name__])[0]}", file=sys.stderr)
+        sys.stderr.flush()
+    if hasattr(e, "settle"):  # several ranks: none exits before the leader has said it
+        e.settle()
     return 2
 
 

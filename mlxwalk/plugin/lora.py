@@ -3,7 +3,9 @@
 Takes every argument and YAML key of mlx_lm.lora (numbers read as mlx-lm reads them), loads data
 with mlx-lm's loaders and batches it with its iterate_batches (the same labels and data order for
 the same seed), and writes mlx-lm's adapter files. Differences, each by design:
-  batch_size          1 (one window per step); grad_accumulation_steps 1
+  batch_size          1 (one window per step), or the number of ranks under mlx.launch (a
+                      window per rank, the step's gradient the mean over all their labelled
+                      tokens); grad_accumulation_steps 1
   max_seq_length      cuts only when given (mlx-lm's default cuts at 2,048), and says so
   grad_checkpoint     the walk's recompute (each chunk's graph layer by layer)
   fine_tune_type      lora only (dora and full are refused)
@@ -24,6 +26,7 @@ import types
 from pathlib import Path
 
 from ..plan import PlanError
+from ..training.ranks import Ranks
 from ..walk import WalkConfig, arch
 from ..walk.store import check_cache_type
 from .trainer import NO_CUT
@@ -273,8 +276,9 @@ def run(o, training_callback=None) -> None:
                              recompute=bool(o.grad_checkpoint), host_budget_mib=o.host_budget_mib,
                              memory_budget_mib=o.memory_budget_mib,
                              strict_exact=bool(o.strict_exact)).check()  # fmt: skip
-    trainer.check(o)
-    if o.train:
+    ranks = Ranks.init()
+    trainer.check(o, ranks=ranks.size)
+    if o.train and ranks.leader:
         claim(o)
     np.random.seed(o.seed)  # the data order, as mlx_lm.lora seeds it
     callback = reporting(o, training_callback) if o.train else None
@@ -290,15 +294,17 @@ def run(o, training_callback=None) -> None:
     else:
         print("Testing the base model (no adapter)", flush=True)
     if o.test:
-        loss = trainer.evaluate(model, CacheDataset(test_set), args, walk_config, o.test_batches)
-        print(f"Test loss {loss:.3f}, Test ppl {math.exp(loss):.3f}.", flush=True)
+        loss = trainer.evaluate(model, CacheDataset(test_set), args, walk_config, o.test_batches,
+                                ranks=ranks)  # fmt: skip
+        if ranks.leader:
+            print(f"Test loss {loss:.3f}, Test ppl {math.exp(loss):.3f}.", flush=True)
 
 
 def training_args(o):
     from mlx_lm.tuner.trainer import TrainingArgs
 
     return TrainingArgs(
-        batch_size=1, iters=o.iters, val_batches=o.val_batches,
+        batch_size=o.batch_size, iters=o.iters, val_batches=o.val_batches,
         steps_per_report=o.steps_per_report, steps_per_eval=o.steps_per_eval,
         steps_per_save=o.save_every,
         adapter_file=str(Path(o.adapter_path) / "adapters.safetensors"),

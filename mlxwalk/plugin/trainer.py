@@ -9,7 +9,10 @@ keys. What each means for a walk:
   iterate_batches  yields `(batch, lengths)` as mlx-lm's does; each batch row becomes a window
                    labelled exactly as `default_loss` masks it (from its offset to its length), in
                    the generator's order: with mlx-lm's own, the data order and the labels are
-                   mlx-lm's for the same seed. One window per step: `batch_size` must be 1.
+                   mlx-lm's for the same seed. One window per rank per step: `batch_size` must
+                   be 1, or under `mlx.launch` the number of ranks (mlx-lm gives each rank its
+                   row); the step's gradient is then the mean over every rank's labelled tokens
+                   (mlxwalk/training/ranks.py), where mlx-lm's averages the ranks' means.
   grad_checkpoint  the walk's recompute (each chunk's graph layer by layer).
   clear_cache_threshold  as in mlx-lm, after each window.
 """
@@ -21,10 +24,11 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map
 
 from ..plan import PlanError
-from ..walk import WalkConfig, Window, arch, train_window, window_loss
+from ..training.ranks import Ranks, StepSum, reduce_step
+from ..walk import WalkConfig, Window, apply_step, arch, exact_gradient, train_window, window_loss
 from ..walk.guards import NonFinite, check_ids
 
 NO_CUT = 1 << 31  # a max_seq_length that cuts nothing
@@ -50,11 +54,13 @@ def named(fn, where: str) -> None:
         raise PlanError(f"{where}: {e}") from None
 
 
-def check(args, loss=None) -> None:
+def check(args, loss=None, ranks: int = 1) -> None:
     from mlx_lm.tuner.trainer import default_loss
 
-    if args.batch_size != 1:
-        raise PlanError(f"batch_size {args.batch_size}: the walk trains one window per step; use 1")
+    if args.batch_size != ranks:
+        each = "per step" if ranks == 1 else f"per rank per step ({ranks} ranks)"
+        raise PlanError(f"batch_size {args.batch_size}: the walk trains one window {each}; "
+                        f"use {ranks}")  # fmt: skip
     if getattr(args, "grad_accumulation_steps", 1) != 1:
         raise PlanError("grad_accumulation_steps: the exact walk already takes one step per window")
     if loss is not None and loss is not default_loss:
@@ -68,17 +74,19 @@ def check(args, loss=None) -> None:
         )
 
 
-def evaluate(model, dataset, args, walk: WalkConfig, batches: int, iterate_batches=None) -> float:
+def evaluate(
+    model, dataset, args, walk: WalkConfig, batches: int, iterate_batches=None, ranks=None
+) -> float:
     """mlx-lm's `evaluate`: the token-weighted mean loss over `batches` batches (-1: all) in the
-    generator's order, each window decoded chunk by chunk with no gradient."""
+    generator's order, each window decoded chunk by chunk with no gradient (under mlx.launch,
+    each rank its row of each batch, the sums reduced)."""
     if iterate_batches is None:
         from mlx_lm.tuner.trainer import iterate_batches
+    ranks = ranks or Ranks(None)
     total, weight = 0.0, 0.0
     model.eval()
     try:
-        for i, (batch, lengths) in enumerate(
-            iterate_batches(dataset=dataset, batch_size=1, max_seq_length=args.max_seq_length)
-        ):
+        for i, (batch, lengths) in enumerate(iterate_batches(**batching(dataset, args, ranks))):
             if batches not in (-1, None) and i >= batches:
                 break
             window = window_of(batch, lengths)
@@ -87,7 +95,20 @@ def evaluate(model, dataset, args, walk: WalkConfig, batches: int, iterate_batch
                 weight += window.total
     finally:
         model.train()
+    if ranks.size > 1:
+        total, weight = (float(v) for v in ranks.all_sum(mx.array([total, weight], mx.float32)))
     return total / weight if weight else float("nan")
+
+
+def batching(dataset, args, ranks: Ranks, loop: bool = False) -> dict:
+    """iterate_batches' arguments: a row per rank (its group given only under mlx.launch, so a
+    caller's own generator needn't take one)."""
+    kw = dict(dataset=dataset, batch_size=ranks.size, max_seq_length=args.max_seq_length)
+    if loop:
+        kw["loop"] = True
+    if ranks.size > 1:
+        kw["comm_group"] = ranks.group
+    return kw
 
 
 def train(
@@ -111,44 +132,45 @@ def train(
     from mlx_lm.tuner import trainer as mlx_trainer
 
     args = args or mlx_trainer.TrainingArgs()
-    check(args, loss)
+    ranks = Ranks.init()
+    check(args, loss, ranks.size)
+    if walk != "exact" and ranks.size > 1:
+        raise PlanError("walk plain steps once per chunk; across ranks only the exact walk's "
+                        "steps combine")  # fmt: skip
     iterate_batches = iterate_batches or mlx_trainer.iterate_batches
     base = walk_config or WalkConfig(chunk=512, recompute=args.grad_checkpoint)
     layout = arch.inspect(model)
     losses, tokens, trained, steps, elapsed = 0.0, 0, 0, 0, 0.0
     model.train()
-    batches = iterate_batches(dataset=train_dataset, batch_size=1,
-                              max_seq_length=args.max_seq_length, loop=True)  # fmt: skip
+    batches = iterate_batches(**batching(train_dataset, args, ranks, loop=True))
+    speaks = training_callback is not None and ranks.leader
     for it, (batch, lengths) in zip(range(1, args.iters + 1), batches):
         if val_dataset and (it == 1 or it % args.steps_per_eval == 0 or it == args.iters):
             tic = time.perf_counter()
-            val_loss = evaluate(model, val_dataset, args, base, args.val_batches, iterate_batches)
-            if training_callback is not None:
+            val_loss = evaluate(model, val_dataset, args, base, args.val_batches, iterate_batches,
+                                ranks)  # fmt: skip
+            if speaks:
                 training_callback.on_val_loss_report(
                     {"iteration": it - 1, "val_loss": val_loss,
                      "val_time": time.perf_counter() - tic}
                 )  # fmt: skip
-        window = window_of(batch, lengths)
-        if window is None:  # mlx-lm's loss would be 0/0 here
-            raise PlanError(f"iteration {it}: the batch has no labelled token within "
-                            f"max_seq_length ({args.max_seq_length})")  # fmt: skip
-        named(lambda w=window: check_ids(w, layout.vocab), f"iteration {it}")
         tic = time.perf_counter()
         config = WalkConfig(**{**base.__dict__, "seed": it})
         try:
-            run = train_window(model, optimizer, window, config, walk, layout=layout)
+            loss_value, weight = step(model, optimizer, batch, lengths, it, args, config, walk,
+                                      layout, ranks)  # fmt: skip
         except NonFinite as e:
             kept = Path(args.adapter_file)
             last = f"{kept} is as saved" if kept.exists() else "nothing was saved"
             raise NonFinite(f"iteration {it}: {e}; stopped before its step ({last})") from None
         clear_cache(getattr(args, "clear_cache_threshold", 0))
         elapsed += time.perf_counter() - tic
-        losses += run.loss
-        tokens += int(window.total)
+        losses += loss_value
+        tokens += int(weight)
         steps += 1
         if it % args.steps_per_report == 0 or it == args.iters:
             trained += tokens
-            if training_callback is not None:
+            if speaks:
                 training_callback.on_train_loss_report({
                     "iteration": it,
                     "train_loss": losses / steps,
@@ -159,9 +181,48 @@ def train(
                     "peak_memory": mx.get_peak_memory() / 1e9,
                 })  # fmt: skip
             losses, tokens, steps, elapsed = 0.0, 0, 0, 0.0
-        if it % args.steps_per_save == 0 or it == args.iters:
-            step = it if it % args.steps_per_save == 0 else None
-            save(model, Path(args.adapter_file), step, adapter_config)
+        if ranks.leader and (it % args.steps_per_save == 0 or it == args.iters):
+            numbered = it if it % args.steps_per_save == 0 else None
+            save(model, Path(args.adapter_file), numbered, adapter_config)
+
+
+def step(model, optimizer, batch, lengths, it, args, config, walk, layout, ranks: Ranks):
+    """One iteration: this rank's row as a window, its gradient combined with the other
+    ranks' (one all_sum), one step. Returns the step's loss and labelled weight."""
+    error, window = None, None
+    try:
+        window = window_of(batch, lengths)
+        if window is None:  # mlx-lm's loss would be 0/0 here
+            raise PlanError(f"iteration {it}: the batch has no labelled token within "
+                            f"max_seq_length ({args.max_seq_length})")  # fmt: skip
+        named(lambda w=window: check_ids(w, layout.vocab), f"iteration {it}")
+        if walk != "exact" or ranks.size == 1:
+            run = train_window(model, optimizer, window, config, walk, layout=layout,
+                               clip=None)  # fmt: skip
+            return run.loss, window.total
+        run, grads = exact_gradient(model, window, config, layout=layout)
+    except NonFinite:
+        if ranks.size == 1:
+            raise
+        error = NonFinite("a NaN or infinite loss or gradient")
+    except Exception as e:
+        if ranks.size == 1:
+            raise
+        error = e
+    slots = np.zeros(ranks.size, np.float32)
+    part = StepSum(tree_map(mx.zeros_like, model.trainable_parameters()), slots.copy(),
+                   slots.copy(), slots.copy())  # fmt: skip
+    part.finite = not isinstance(error, NonFinite)
+    if error is None:
+        part.grads = tree_map(lambda g: g * window.total, grads)
+        part.losses[ranks.rank], part.weights[ranks.rank] = run.loss, window.total
+    done = reduce_step(ranks, part, None if isinstance(error, NonFinite) else error)
+    if isinstance(error, NonFinite) or not done.finite:
+        raise NonFinite("a NaN or infinite loss or gradient on one of the ranks")
+    apply_step(model, optimizer, done.grads)
+    mx.eval(model.parameters(), optimizer.state)
+    weight = float(done.weights.sum())
+    return float((done.losses * done.weights).sum() / weight), weight
 
 
 def clear_cache(threshold: int) -> None:

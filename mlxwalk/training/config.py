@@ -100,6 +100,8 @@ class TrainConfig:
                                 "narrowed horizon (not exact)")  # fmt: skip
     epochs: int = option(3, "passes over the training windows")
     iters: int | None = option(None, "stop after this many windows")
+    windows_per_step: int = option(1, "windows one optimizer step combines, per rank (the "
+                                   "exact walk; the mean over their labelled tokens)")  # fmt: skip
     lr: float = option(1e-4, "learning rate (the peak, with a schedule)")
     lr_schedule: str | None = option(None, "none (constant), cosine_decay or linear_schedule "
                                      "(to 0 at the run's last step)")  # fmt: skip
@@ -144,7 +146,7 @@ class TrainConfig:
         choice("fit", self.fit, data.FITS)
         choice("on_nan", self.on_nan, ON_NAN)
         choice("backend", self.backend, ("mlx", "torch"))
-        for name in ("epochs", "chunk", "window", "iters", "rank"):
+        for name in ("epochs", "chunk", "window", "iters", "rank", "windows_per_step"):
             at_least(name, getattr(self, name), 1)
         at_least("horizon", self.horizon, 0, " (0 = the whole window)")
         at_least("seed", self.seed, 0)
@@ -167,6 +169,9 @@ class TrainConfig:
         if self.resume and self.overwrite:
             raise PlanError("--resume continues the run in the adapter path, --overwrite replaces "
                             "it: give one")  # fmt: skip
+        if self.walk == "plain" and self.windows_per_step > 1:
+            raise PlanError("--windows-per-step: the plain walk steps once per chunk; combining "
+                            "windows takes the exact walk")  # fmt: skip
         check_cache_type(self.cache_type)
         return self
 

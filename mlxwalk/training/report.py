@@ -29,12 +29,20 @@ class Progress:
         if self.live:
             self.bar.set_postfix_str(f"{phase} chunk {done}/{of}{self.last}", refresh=True)
 
-    def window(self, loss: float, tok_s: float, mem_mib: float, narrowed: int | None = None):
-        """One window done; `narrowed`: the horizon the memory budget cut it to (not exact)."""
-        self.done += 1
+    def window(
+        self,
+        loss: float,
+        tok_s: float,
+        mem_mib: float,
+        narrowed: int | None = None,
+        windows: int = 1,
+    ):
+        """A step's `windows` done (their mean loss); `narrowed`: the horizon the memory budget
+        cut one to (not exact)."""
+        self.done += windows
         cut = f", horizon narrowed to {narrowed} (not exact)" if narrowed is not None else ""
         self.last = f" | loss {loss:.3f}, {tok_s:,.0f} tok/s, peak {mem_mib:,.0f} MiB{cut}"
-        self.bar.update(1)
+        self.bar.update(windows)
         self.bar.set_postfix_str(self.last.lstrip(" |"), refresh=True)
         if self.lines:
             print(f"window {self.done}/{self.total}: {self.last.lstrip(' |')}", file=sys.stderr)

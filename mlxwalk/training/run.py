@@ -26,12 +26,13 @@ import numpy as np
 from mlx.utils import tree_map
 
 from ..plan import MIB, PlanError
-from ..walk import Window, arch, budget, train_window, window_loss
+from ..walk import Window, apply_step, arch, budget, exact_gradient, train_window, window_loss
 from ..walk.guards import NonFinite
 from ..walk.store import check_cache_type
 from . import adapters, data, models, report, samples, windows
 from .config import TrainConfig
 from .files import NewFolder, sweep
+from .ranks import Ranks, StepSum, reduce_step, weighs
 from .runfolder import Position, RunFolder, identity
 from .watch import Watch
 
@@ -105,12 +106,18 @@ def say(*args) -> None:
 class Run:
     """One training run: setup (every refusal happens here), then epochs of windows."""
 
-    def __init__(self, cfg: TrainConfig, echo=say):
+    def __init__(self, cfg: TrainConfig, echo=say, ranks: Ranks | None = None):
         self.cfg = cfg.check()
-        self.echo = echo
+        self.ranks = ranks or Ranks(None)
+        self.echo = echo if self.ranks.leader else quiet  # one voice: the rank that writes
+        echo = self.echo
+        if cfg.walk == "plain" and self.ranks.size > 1:
+            raise PlanError("--walk plain steps once per chunk; across ranks only the exact "
+                            "walk's steps combine")  # fmt: skip
         self.out = writable(Path(cfg.adapter_path or default_path(cfg.model)))
         self.folder = RunFolder(self.out)
-        self.folder.claim(cfg.overwrite, cfg.resume)
+        if self.ranks.leader:
+            self.folder.claim(cfg.overwrite, cfg.resume)
         data_folder = data.check_folder(cfg.data) if cfg.data else samples.folder()
         self.model, self.tokenizer = models.load(cfg.model)
         fingerprint = models.fingerprint(self.model)
@@ -143,6 +150,7 @@ class Run:
         files = [data_folder / "train.jsonl", data_folder / "valid.jsonl"]
         model_path = str(models.resolve(cfg.model).resolve())
         self.identity = identity(cfg, model_path, fingerprint, files, self.window)
+        self.identity.update(ranks=self.ranks.size, windows_per_step=cfg.windows_per_step)
         self.resumed_from = self._resume() if cfg.resume else None
 
     def _admit(self):
@@ -183,10 +191,20 @@ class Run:
         except (OSError, ValueError, KeyError, TypeError):
             return False
 
+    @property
+    def per_step(self) -> int:
+        """Windows one optimizer step covers, over every rank."""
+        return self.cfg.windows_per_step * self.ranks.size
+
     def steps(self) -> int:
-        """The optimizer steps the run will take: a window's each (the exact walk), or each
-        labelled chunk's (the plain walk), over --iters or every epoch."""
+        """The optimizer steps the run will take: one per `per_step` windows (the exact walk),
+        or each labelled chunk's (the plain walk), over --iters or every epoch."""
         examples = self.train_set.examples
+        if self.cfg.walk == "exact":
+            per_epoch = math.ceil(len(examples) / self.per_step)
+            if self.cfg.iters is None:
+                return self.cfg.epochs * per_epoch
+            return min(self.cfg.epochs * per_epoch, math.ceil(self.cfg.iters / self.per_step))
         per = [1 if self.cfg.walk == "exact" else
                max(1, len({int(i) // self.cfg.chunk for i in np.flatnonzero(e.weights)}))
                for e in examples]  # fmt: skip
@@ -209,35 +227,41 @@ class Run:
 
     def train(self) -> dict:
         made = NewFolder(self.out)
-        made.make()
-        sweep(self.out)
-        if self.cfg.overwrite:
-            self.folder.set_aside()
-        if self.resumed_from is None:
-            self.folder.start(self.identity)
-        else:
+        if self.ranks.leader:
+            made.make()
+            sweep(self.out)
+            if self.cfg.overwrite:
+                self.folder.set_aside()
+            if self.resumed_from is None:
+                self.folder.start(self.identity)
+        if self.resumed_from is not None:
             self.echo(f"resumed from {self.resumed_from} (epoch {self.position.epoch + 1}, "
                       f"window {self.position.windows})")  # fmt: skip
         try:
             self.loop()
         except BaseException as e:
-            self.fail(e, made)
+            if self.ranks.leader:
+                self.fail(e, made)
             raise
-        adapters.save(self.model, self.out, self.cfg.lora())
+        if self.ranks.leader:
+            adapters.save(self.model, self.out, self.cfg.lora())
         return self.finish()
 
     def loop(self) -> None:
         cfg, total = self.cfg, self.total
-        self.bar = report.progress(total, self.position.windows, enabled=cfg.progress)
+        shown = cfg.progress and self.ranks.leader
+        self.bar = report.progress(total, self.position.windows, enabled=shown)
         self.model.train()
         try:
             while self.position.epoch < cfg.epochs:
                 order = self.order(self.position.epoch)
                 while self.position.index < len(order) and self.position.windows < total:
-                    self.step(self.train_set.examples[order[self.position.index]])
-                    if cfg.save_every and self.position.windows % cfg.save_every == 0:
+                    p = self.position
+                    n = min(self.per_step, len(order) - p.index, total - p.windows)
+                    self.step([self.train_set.examples[i] for i in order[p.index : p.index + n]])
+                    if crossed(cfg.save_every, p.windows, self.position.windows):
                         self.checkpoint()
-                    if self.eval_due():
+                    if self.eval_due(p.windows):
                         self.evaluate_between()
                 if self.position.index >= len(order):  # also one a stop left open at its end
                     self.end_epoch()
@@ -251,9 +275,84 @@ class Run:
         finally:
             self.bar.close()
 
-    def step(self, example: data.Example) -> None:
-        """One window. The position moves (one assignment) only once the window has stepped; an
-        interruption before that puts the adapter back as it was (`undo`)."""
+    def step(self, examples: list[data.Example]) -> None:
+        """One optimizer step on the windows `examples` (the step's slice of the epoch's order;
+        this rank walks its share). The position moves (one assignment) only once the step is
+        taken; an interruption before that puts the adapter back as it was (`undo`)."""
+        if self.cfg.walk == "plain":
+            return self.step_plain(examples[0])
+        p, cfg = self.position, self.cfg
+        self.undo = (p, self.snapshot())
+        tic = time.perf_counter()
+        mx.reset_peak_memory()
+        part, error = self.walk_share(examples)
+        step = reduce_step(self.ranks, part, error)
+        if not step.finite:
+            self.non_finite(examples, error or NonFinite("a NaN or infinite loss or gradient"))
+            return
+        apply_step(self.model, self.optimizer, step.grads, cfg.grad_clip)
+        mx.eval(self.model.parameters(), self.optimizer.state)
+        self.stepped(examples, step.losses, step.horizons, time.perf_counter() - tic)
+
+    def walk_share(self, examples: list[data.Example]) -> tuple[StepSum, BaseException | None]:
+        """This rank's windows of the step: their gradients, each weighted by its labelled
+        weight when the step combines windows. A failure is kept for the step's reduction (one
+        process: raised at once); a non-finite window marks the step."""
+        slots, cfg, p = len(examples), self.cfg, self.position
+        combine = weighs(slots, self.ranks.size)
+        part = StepSum(tree_map(mx.zeros_like, self.model.trainable_parameters()),
+                       *(np.zeros(slots, np.float32) for _ in range(3)))  # fmt: skip
+        error = None
+        for i in self.ranks.mine(list(range(slots)), cfg.windows_per_step):
+            ex = examples[i]
+            window = Window.of(ex.inputs, ex.targets, ex.weights)
+            try:
+                walk, grads = exact_gradient(self.model, window,
+                                             cfg.walk_config(seed=cfg.seed + p.windows + i),
+                                             self.bar.chunk, self.layout)  # fmt: skip
+            except NonFinite as e:
+                part.finite, error = False, None
+                self.nan = e
+                continue
+            except Exception as e:
+                if self.ranks.size == 1:
+                    raise
+                error = e
+                break
+            w = float(window.total) if combine else 1.0
+            part.grads = tree_map(lambda a, g, w=w: a + g * w, part.grads, grads)
+            used = getattr(walk, "horizon_used", cfg.horizon)
+            part.losses[i], part.weights[i] = walk.loss, window.total
+            part.horizons[i] = used if used != cfg.horizon else 0
+            mx.eval(part.grads)
+        return part, error
+
+    def stepped(self, examples, losses, horizons, seconds: float) -> None:
+        """The position after a step on `examples`: every window's loss, and the narrowed ones."""
+        p, cfg = self.position, self.cfg
+        peak = mx.get_peak_memory()
+        self.streak = 0
+        narrowed = [int(h) for h in horizons if h]
+        trainable = sum(ex.trainable for ex in examples)
+        self.position = replace(
+            p, index=p.index + len(examples), windows=p.windows + len(examples),
+            loss_sum=p.loss_sum + sum(float(v) * ex.trainable for v, ex in zip(losses, examples)),
+            tokens=p.tokens + trainable, seconds=p.seconds + seconds,
+            losses=[*p.losses, *(round(float(v), 6) for v in losses)],
+            narrowed=p.narrowed + len(narrowed),
+            horizon=min([p.horizon or min(narrowed), *narrowed]) if narrowed else p.horizon,
+        )  # fmt: skip
+        self.peak = max(self.peak, peak)
+        for j, (ex, loss, h) in enumerate(zip(examples, losses, horizons)):
+            used = int(h) or cfg.horizon
+            self.watch.window(p.windows + j + 1, ex.where, float(loss), used, peak)
+        tokens = sum(len(ex) for ex in examples)
+        shown = min(narrowed) if narrowed else None
+        self.bar.window(float(np.mean(losses)), tokens / seconds, peak / MIB, shown,
+                        windows=len(examples))  # fmt: skip
+
+    def step_plain(self, example: data.Example) -> None:
+        """One window by the plain walk, a step per labelled chunk (one process)."""
         p, cfg = self.position, self.cfg
         window = Window.of(example.inputs, example.targets, example.weights)
         self.undo = (p, self.snapshot())
@@ -266,23 +365,11 @@ class Run:
                                 clip=cfg.grad_clip)  # fmt: skip
         except NonFinite as e:
             self.restore(self.undo[1])
-            self.non_finite(example, e)
+            self.non_finite([example], e)
             return
-        seconds = time.perf_counter() - tic
-        peak = mx.get_peak_memory()
-        self.streak = 0
         used = getattr(walk, "horizon_used", cfg.horizon)
-        narrowed = used != cfg.horizon
-        self.position = replace(
-            p, index=p.index + 1, windows=p.windows + 1,
-            loss_sum=p.loss_sum + walk.loss * example.trainable,
-            tokens=p.tokens + example.trainable, seconds=p.seconds + seconds,
-            losses=[*p.losses, round(walk.loss, 6)], narrowed=p.narrowed + narrowed,
-            horizon=min(p.horizon or used, used) if narrowed else p.horizon,
-        )  # fmt: skip
-        self.peak = max(self.peak, peak)
-        self.watch.window(self.position.windows, example.where, walk.loss, used, peak)
-        self.bar.window(walk.loss, len(example) / seconds, peak / MIB, used if narrowed else None)
+        horizon = np.array([used if used != cfg.horizon else 0])
+        self.stepped([example], np.array([walk.loss]), horizon, time.perf_counter() - tic)
 
     def snapshot(self):
         """The adapter and optimizer state as they are (arrays are immutable: references do)."""
@@ -294,14 +381,19 @@ class Run:
         self.model.update(params)
         self.optimizer.state = state
 
-    def non_finite(self, example: data.Example, error: NonFinite) -> None:
-        p = self.position
-        where = f"window {p.windows + 1} (epoch {p.epoch + 1}, {example.where or 'an example'})"
+    def non_finite(self, examples: list[data.Example], error: BaseException) -> None:
+        p, n = self.position, len(examples)
+        first = examples[0].where or "an example"
+        where = (f"window {p.windows + 1} (epoch {p.epoch + 1}, {first})" if n == 1 else
+                 f"the step on windows {p.windows + 1}-{p.windows + n} (epoch {p.epoch + 1}, "
+                 f"from {first})")  # fmt: skip
+        error = getattr(self, "nan", None) or error
+        self.nan = None
         self.streak += 1
         if self.cfg.on_nan == "skip" and self.streak < SKIP_LIMIT:
             self.echo(f"warning: {where}: {error}; skipped (--on-nan skip), adapter unchanged")
-            self.position = replace(p, index=p.index + 1, windows=p.windows + 1,
-                                    skipped=p.skipped + 1)  # fmt: skip
+            self.position = replace(p, index=p.index + n, windows=p.windows + n,
+                                    skipped=p.skipped + n)  # fmt: skip
             return
         if self.cfg.on_nan == "skip":
             raise NonFinite(f"{where}: {error}; the {SKIP_LIMIT}th window in a row that is not "
@@ -315,11 +407,12 @@ class Run:
             return "Nothing was saved."
         return f"The last checkpoint, {saved[-1]}, is as it was (resume with --resume)."
 
-    def eval_due(self) -> bool:
-        """--steps-per-eval: every so many windows, except where an epoch's end evaluates."""
-        p, every = self.position, self.cfg.steps_per_eval
+    def eval_due(self, before: int) -> bool:
+        """--steps-per-eval: every so many windows (a step that passes a multiple counts),
+        except where an epoch's end evaluates."""
+        p = self.position
         epoch_end = p.index >= len(self.train_set.examples)
-        return bool(every) and p.windows % every == 0 and not epoch_end
+        return crossed(self.cfg.steps_per_eval, before, p.windows) and not epoch_end
 
     def evaluate_between(self) -> None:
         loss = self.evaluate()
@@ -333,15 +426,17 @@ class Run:
             return None
         total, weight = 0.0, 0
         self.model.eval()
-        try:
-            for ex in self.valid_set.examples:
+        try:  # each rank its share; the sums reduced together
+            for ex in self.valid_set.examples[self.ranks.rank :: self.ranks.size]:
                 window = Window.of(ex.inputs, ex.targets, ex.weights)
                 loss = window_loss(self.model, window, self.cfg.walk_config(), self.layout)
                 total += loss * ex.trainable
                 weight += ex.trainable
         finally:
             self.model.train()
-        return total / weight
+        if self.ranks.size > 1:
+            total, weight = np.array(self.ranks.all_sum(mx.array([total, weight], mx.float32)))
+        return float(total / weight)
 
     def epoch_row(self, partial: bool = False) -> Epoch:
         p = self.position
@@ -369,7 +464,9 @@ class Run:
 
     # --- checkpoints and failure ----------------------------------------------------------------
 
-    def checkpoint(self) -> Path:
+    def checkpoint(self) -> Path | None:
+        if not self.ranks.leader:
+            return None
         saved = self.folder.save(self.model, self.optimizer, self.cfg.lora(), self.position)
         self.folder.drop_aside()  # --overwrite: the new run now stands on its own
         return saved
@@ -432,8 +529,10 @@ class Run:
             "evals_between": self.position.evals,  # [window, eval loss] for --steps-per-eval
             "epochs": epochs,
             "config": {f.name: getattr(cfg, f.name) for f in fields(cfg)},
+            "ranks": self.ranks.size,
         }
-        report.write(self.out, summary)
+        if self.ranks.leader:
+            report.write(self.out, summary)
         return summary
 
 
@@ -453,13 +552,29 @@ class shielded:
             signal.signal(sig, handler)
 
 
+def quiet(*args) -> None:
+    """The echo of a rank that is not the leader."""
+
+
+def crossed(every: int, before: int, after: int) -> bool:
+    """Whether a step from `before` to `after` windows passed a multiple of `every` (0: never)."""
+    return bool(every) and after // every > before // every
+
+
 def default_path(model: str) -> Path:
     name = Path(model).name or model.replace("/", "-")
     return Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def train_run(cfg: TrainConfig, echo=say) -> dict:
-    run = Run(cfg, echo)
+    ranks = Ranks.init()
+    run, error = None, None
+    try:  # a refusal on any rank stops every rank, before any of them trains
+        run = Run(cfg, echo, ranks)
+    except Exception as e:
+        error = e
+    ranks.agree(error)
+    echo = run.echo
     est = run.memory
     echo(f"model {cfg.model} ({run.layout.model_type}), {len(run.train_set.examples)} training and "
          f"{len(run.valid_set.examples)} validation windows of up to {run.window} tokens, "

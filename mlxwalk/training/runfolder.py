@@ -92,6 +92,14 @@ def identity(cfg, model_path: str, fingerprint: str, data_files: list[Path], win
 def mismatch(saved: dict, now: dict, folder: Path) -> str | None:
     """The first difference that makes a run's checkpoints useless to this one, in words."""
     was = f"the run in {folder} was"
+    ranks, now_ranks = saved.get("ranks", 1), now.get("ranks", 1)
+    if ranks != now_ranks:
+        return (f"{was} trained on {ranks} rank(s) (mlx.launch -n {ranks}); this launch has "
+                f"{now_ranks}: resume it with the same number of ranks")  # fmt: skip
+    steps, now_steps = saved.get("windows_per_step", 1), now.get("windows_per_step", 1)
+    if steps != now_steps:
+        return (f"{was} trained with --windows-per-step {steps}; this one asks for "
+                f"{now_steps}")  # fmt: skip
     if saved["model"]["fingerprint"] != now["model"]["fingerprint"]:
         return (f"{was} trained on model {saved['model']['path']} (weights "
                 f"{saved['model']['fingerprint']}); this one loads {now['model']['path']} "

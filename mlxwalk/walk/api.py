@@ -107,22 +107,35 @@ def train_window(
     Returns the walk, whose `loss` holds the window's loss (at the adapter it started from)."""
 
     def step(grads) -> None:
-        if clip is not None:
-            grads, _ = optim.clip_grad_norm(grads, clip)
-        optimizer.update(model, grads)
+        apply_step(model, optimizer, grads, clip)
 
     if walk == "exact":
-        runner = ExactWalk(model, window, config, layout)
-        runner.on_chunk = on_chunk
-        loss, grads = runner.run()
-        check_finite(loss, grads)
+        runner, grads = exact_gradient(model, window, config, on_chunk, layout)
         step(grads)
     elif walk == "plain":
         runner = PlainWalk(model, window, config, layout)
         runner.on_chunk = on_chunk
         loss, _ = runner.run(step=step)
+        runner.loss = loss.item()
     else:
         raise PlanError(f"walk {walk!r} cannot train; choose exact or plain")
     mx.eval(model.parameters(), optimizer.state)
-    runner.loss = loss.item()
     return runner
+
+
+def exact_gradient(model, window: Window, config: WalkConfig, on_chunk=None, layout=None):
+    """The exact walk's gradient of one window, checked finite (NonFinite otherwise); the walk
+    is returned with its `loss` set, for a caller that steps on several windows at once."""
+    runner = ExactWalk(model, window, config, layout)
+    runner.on_chunk = on_chunk
+    loss, grads = runner.run()
+    check_finite(loss, grads)
+    runner.loss = loss.item()
+    return runner, grads
+
+
+def apply_step(model: nn.Module, optimizer, grads: dict, clip: float | None = None) -> None:
+    """One optimizer step on `grads`, clipped to the global L2 norm `clip` first if given."""
+    if clip is not None:
+        grads, _ = optim.clip_grad_norm(grads, clip)
+    optimizer.update(model, grads)
