@@ -1,4 +1,5 @@
-"""`mlxwalk` as a script for `mlx.launch` (which runs a file, not a module): tests/test_ranks.py.
+"""`mlxwalk` (or, given `lora` first, `python -m mlxwalk.lora`) as a script for `mlx.launch`,
+which runs a file, not a module: tests/test_ranks.py.
 With MLXWALK_TEST_FAIL_RANK=r, rank r's second window raises a refusal, as a rank whose data or
 memory fails would."""
 
@@ -24,4 +25,8 @@ if failing is not None and mx.distributed.init().rank() == int(failing):
 
     run.exact_gradient = exact_gradient
 
+if sys.argv[1:2] == ["lora"]:  # the mlx-lm drop-in, as `python -m mlxwalk.lora`
+    from mlxwalk.plugin import lora
+
+    sys.exit(lora.main(sys.argv[2:]))
 sys.exit(cli.main(sys.argv[1:]))

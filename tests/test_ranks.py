@@ -2,6 +2,7 @@
 the one process's on the same windows, every window is walked once, and a failing rank stops
 every rank with one line and nothing half-written."""
 
+import json
 import re
 import socket
 import subprocess
@@ -86,3 +87,22 @@ def test_a_failing_rank_stops_every_rank_with_one_line_and_leaves_nothing(tmp_pa
         "mlxwalk: error: rank 1 of 2: window 3 does not fit this rank's memory (a test's refusal)"
     ], failed.stderr[-2000:]
     assert not out.exists()
+
+
+def test_the_mlx_lm_drop_in_takes_a_row_per_rank(qwen2_path, tmp_path):
+    from .test_plugin import chat
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text("".join(json.dumps(chat(i)) + "\n" for i in range(4)))
+    (data / "valid.jsonl").write_text("".join(json.dumps(chat(i)) + "\n" for i in (7, 8)))
+    args = ["lora", "--model", qwen2_path, "--train", "--data", str(data), "--iters", "2",
+            "--batch-size", "2", "--num-layers", "2", "--chunk", "128", "--steps-per-report", "1",
+            "--adapter-path", str(tmp_path / "ad")]  # fmt: skip
+    two = launch(2, *args)
+    assert "exited with code" not in two.stderr, two.stderr[-2000:]
+    assert (tmp_path / "ad" / "adapters.safetensors").exists()
+    assert two.stdout.count("Iter 2: Train loss") == 1, two.stdout[-2000:]  # rank 0 speaks
+    alone = one(*args[:-2], "--adapter-path", str(tmp_path / "alone"))
+    assert alone.returncode == 2
+    assert "batch_size 2: the walk trains one window per step; use 1" in alone.stderr

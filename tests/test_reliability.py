@@ -240,16 +240,21 @@ def test_resume_loads_its_checkpoint_strictly(qwen2_path, chats, tmp_path):
 def poison_window(monkeypatch, at: set[int]):
     """Windows (1-based) whose adapter gets a NaN just before the walk: a stand-in for a
     learning rate that has blown up."""
-    real, seen = run.train_window, [0]
+    seen = [0]
 
-    def walk(model, *a, **kw):
-        seen[0] += 1
-        if seen[0] in at:
-            (name, p), *_ = __import__("mlx.utils").utils.tree_flatten(model.trainable_parameters())
-            model.load_weights([(name, mx.full(p.shape, float("nan")))], strict=False)
-        return real(model, *a, **kw)
+    def poisoned(real):  # the plain walk's train_window, the exact walk's exact_gradient
+        def walk(model, *a, **kw):
+            seen[0] += 1
+            if seen[0] in at:
+                flat = __import__("mlx.utils").utils.tree_flatten(model.trainable_parameters())
+                (name, p), *_ = flat
+                model.load_weights([(name, mx.full(p.shape, float("nan")))], strict=False)
+            return real(model, *a, **kw)
 
-    monkeypatch.setattr(run, "train_window", walk)
+        return walk
+
+    monkeypatch.setattr(run, "train_window", poisoned(run.train_window))
+    monkeypatch.setattr(run, "exact_gradient", poisoned(run.exact_gradient))
 
 
 @pytest.mark.parametrize("walk", ["exact", "plain"])

@@ -288,6 +288,7 @@ class Run:
         part, error = self.walk_share(examples)
         step = reduce_step(self.ranks, part, error)
         if not step.finite:
+            self.restore(self.undo[1])
             self.non_finite(examples, error or NonFinite("a NaN or infinite loss or gradient"))
             return
         apply_step(self.model, self.optimizer, step.grads, cfg.grad_clip)
