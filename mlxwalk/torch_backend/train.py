@@ -35,6 +35,7 @@ from ..training.run import Epoch
 from ..training.runfolder import CHECKPOINTS, MANIFEST, Position, files_digest, mismatch
 from ..walk.config import Window
 from . import model as models
+from .ranks import TorchRanks, reduce_grads
 from .walk import DTYPES, ExactWalk, PlainWalk, TorchWalkConfig, train_window
 
 DEFAULT_KEYS = ("q_proj", "v_proj", "in_proj_qkv", "in_proj_z")  # attention and delta-net
@@ -81,11 +82,16 @@ def fingerprint(model) -> str:
 class TorchRun:
     """Setup (every refusal here, before the folder is touched), then epochs of windows."""
 
-    def __init__(self, cfg: TrainConfig, echo=print):
+    def __init__(self, cfg: TrainConfig, echo=print, ranks: TorchRanks | None = None):
         from transformers import AutoTokenizer
 
-        self.cfg, self.echo = cfg.check(), echo
+        self.cfg = cfg.check()
+        self.ranks = ranks or TorchRanks(None)
+        self.echo = echo = echo if self.ranks.leader else (lambda *a: None)
         refuse_unsupported(cfg)
+        if cfg.walk == "plain" and self.ranks.size > 1:
+            raise PlanError("--walk plain steps once per chunk; across ranks only the exact "
+                            "walk's steps combine")  # fmt: skip
         self.out = Path(cfg.adapter_path or f"runs/{Path(cfg.model).name}-torch")
         held = self.out / MANIFEST
         if held.exists() and not (cfg.resume or cfg.overwrite):
@@ -94,7 +100,11 @@ class TorchRun:
             raise PlanError(f"--resume: {self.out} holds no run to continue")
         folder = model_folder(cfg.model)
         data_folder = datasets.check_folder(cfg.data) if cfg.data else samples.folder()
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
         dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         base = models.load(folder, dtype=dtype, device=str(self.device))
         tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
@@ -124,6 +134,8 @@ class TorchRun:
                 "val_split": cfg.val_split,
                 "seed": cfg.seed,
             },
+            "ranks": self.ranks.size,
+            "windows_per_step": cfg.windows_per_step,
         }
         torch.manual_seed(cfg.seed)
         layers = None if cfg.num_layers == -1 else cfg.num_layers
@@ -160,7 +172,7 @@ class TorchRun:
             opt = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=decay)
         else:
             opt = torch.optim.Adam(self.params, lr=cfg.lr)
-        steps = max(1, self.total)
+        steps = max(1, math.ceil(self.total / self.per_step))
 
         def factor(step: int) -> float:
             if cfg.warmup and step < cfg.warmup:
@@ -171,6 +183,11 @@ class TorchRun:
             return 1.0 - done if cfg.lr_schedule == "linear_schedule" else 1.0
 
         return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+    @property
+    def per_step(self) -> int:
+        """Windows one optimizer step covers, over every rank."""
+        return self.cfg.windows_per_step * self.ranks.size
 
     @property
     def total(self) -> int:
@@ -201,77 +218,154 @@ class TorchRun:
     # --- the loop ---------------------------------------------------------------------------
 
     def train(self) -> dict:
-        self.out.mkdir(parents=True, exist_ok=True)
-        if not self.cfg.resume:
-            shutil.rmtree(self.out / CHECKPOINTS, ignore_errors=True)
-            write_text(self.out / MANIFEST, json.dumps(self.identity, indent=2))
-        bar = report.progress(self.total, self.position.windows, enabled=self.cfg.progress)
+        fresh = not self.out.exists()
+        if self.ranks.leader:
+            self.out.mkdir(parents=True, exist_ok=True)
+            if not self.cfg.resume:
+                shutil.rmtree(self.out / CHECKPOINTS, ignore_errors=True)
+                write_text(self.out / MANIFEST, json.dumps(self.identity, indent=2))
+        shown = self.cfg.progress and self.ranks.leader
+        bar = report.progress(self.total, self.position.windows, enabled=shown)
         try:
             while self.position.epoch < self.cfg.epochs and self.position.windows < self.total:
                 order = np.random.default_rng(self.cfg.seed + self.position.epoch).permutation(
                     len(self.train_set.examples)
                 )
                 while self.position.index < len(order) and self.position.windows < self.total:
-                    self.step(self.train_set.examples[order[self.position.index]], bar)
-                    if self.cfg.save_every and self.position.windows % self.cfg.save_every == 0:
+                    p = self.position
+                    n = min(self.per_step, len(order) - p.index, self.total - p.windows)
+                    chosen = order[p.index : p.index + n]
+                    self.step([self.train_set.examples[i] for i in chosen], bar)
+                    every = self.cfg.save_every
+                    if every and self.position.windows // every > p.windows // every:
                         self.checkpoint()
                 self.end_epoch(partial=self.position.index < len(order))
         except KeyboardInterrupt:
-            if self.position.windows:
+            if self.position.windows and self.ranks.leader:
                 last = self.checkpoint()
                 raise KeyboardInterrupt(
                     f"at window {self.position.windows}; checkpoint {last} "
                     "holds it: run the same command with --resume"
                 ) from None
             raise
+        except Exception:
+            self.tidy(fresh)
+            raise
         finally:
             bar.close()
-        self.save_adapter(self.out)
+        if self.ranks.leader:
+            self.save_adapter(self.out)
         return self.finish()
 
-    def step(self, example, bar) -> None:
+    def tidy(self, fresh: bool) -> None:
+        """A run that fails before its first checkpoint leaves nothing it made."""
+        if not self.ranks.leader or self.cfg.resume or any((self.out / CHECKPOINTS).glob("w*")):
+            return
+        if fresh:
+            shutil.rmtree(self.out, ignore_errors=True)
+        else:
+            (self.out / MANIFEST).unlink(missing_ok=True)
+            shutil.rmtree(self.out / CHECKPOINTS, ignore_errors=True)
+
+    def step(self, examples: list, bar) -> None:
+        """One optimizer step on the windows `examples` (this rank walks its share); one window
+        in one process steps as the walk does on its own (train_window)."""
         p = self.position
-        window = Window.of(example.inputs, example.targets, example.weights)
-        if self.device.type == "cuda":  # the bar shows each window's own peak
+        if self.device.type == "cuda":  # the bar shows each step's own peak
             torch.cuda.reset_peak_memory_stats(self.device)
         tic = time.perf_counter()
-        walk = train_window(
-            self.model,
-            self.optimizer,
-            window,
-            self.walk_config,
-            self.cfg.walk,
-            clip=self.cfg.grad_clip,
-        )
+        if len(examples) == 1 and self.ranks.size == 1:
+            ex = examples[0]
+            window = Window.of(ex.inputs, ex.targets, ex.weights)
+            walk = train_window(self.model, self.optimizer, window, self.walk_config,
+                                self.cfg.walk, clip=self.cfg.grad_clip)  # fmt: skip
+            used = getattr(walk, "horizon_used", self.cfg.horizon)
+            losses, horizons = [walk.loss], [used if used != self.cfg.horizon else 0]
+        else:
+            losses, horizons = self.combined_step(examples)
         self.schedule.step()
         seconds = time.perf_counter() - tic
-        used = getattr(walk, "horizon_used", self.cfg.horizon)
-        narrowed = used != self.cfg.horizon
+        narrowed = [int(h) for h in horizons if h]
         self.position = replace(
             p,
-            index=p.index + 1,
-            windows=p.windows + 1,
-            loss_sum=p.loss_sum + walk.loss * example.trainable,
-            tokens=p.tokens + example.trainable,
+            index=p.index + len(examples),
+            windows=p.windows + len(examples),
+            loss_sum=p.loss_sum + sum(float(v) * e.trainable for v, e in zip(losses, examples)),
+            tokens=p.tokens + sum(e.trainable for e in examples),
             seconds=p.seconds + seconds,
-            losses=[*p.losses, round(walk.loss, 6)],
-            narrowed=p.narrowed + narrowed,
-            horizon=min(p.horizon or used, used) if narrowed else p.horizon,
+            losses=[*p.losses, *(round(float(v), 6) for v in losses)],
+            narrowed=p.narrowed + len(narrowed),
+            horizon=min([p.horizon or min(narrowed), *narrowed]) if narrowed else p.horizon,
         )
         peak = torch.cuda.max_memory_allocated() if self.device.type == "cuda" else 0
-        bar.window(walk.loss, len(example) / seconds, peak / 2**20, used if narrowed else None)
+        tokens = sum(len(e) for e in examples)
+        bar.window(float(np.mean(losses)), tokens / seconds, peak / 2**20,
+                   min(narrowed) if narrowed else None, windows=len(examples))  # fmt: skip
+
+    def combined_step(self, examples: list) -> tuple[np.ndarray, np.ndarray]:
+        """This rank's windows walked, their gradients weighted by their labelled weight; one
+        all_reduce with every rank's; one step on the mean over the step's labelled positions.
+        A rank's failure stops every rank (RankFailed); a non-finite one, the run."""
+        slots, size = len(examples), self.ranks.size
+        head = np.zeros(3 * slots + 1 + size, np.float32)  # losses x w, w, horizons, flags
+        acc = [torch.zeros_like(q, dtype=torch.float32) for q in self.params]
+        error = None
+        for i in self.ranks.mine(list(range(slots)), self.cfg.windows_per_step):
+            ex = examples[i]
+            window = Window.of(ex.inputs, ex.targets, ex.weights)
+            self.optimizer.zero_grad(set_to_none=True)
+            try:
+                walk = ExactWalk(self.model, window, self.walk_config)
+                loss = walk.run()
+            except Exception as e:
+                if size == 1:
+                    raise
+                error = e
+                break
+            grads = [q.grad for q in self.params]
+            if not np.isfinite(loss) or not all(
+                torch.isfinite(g).all() for g in grads if g is not None
+            ):
+                head[3 * slots] = 1
+                continue
+            for a, g in zip(acc, grads):
+                if g is not None:
+                    a.add_(g.float(), alpha=float(window.total))
+            used = walk.horizon_used
+            head[i], head[slots + i] = loss * window.total, window.total
+            head[2 * slots + i] = used if used != self.cfg.horizon else 0
+        head[3 * slots + 1 + self.ranks.rank] = error is not None
+        summed, head = reduce_grads(self.ranks, acc, head)
+        failed = head[3 * slots + 1 :]
+        if failed.any():
+            self.ranks._raise(int(np.flatnonzero(failed)[0]), error)
+        if head[3 * slots] or not np.isfinite(head[:slots]).all():
+            raise FloatingPointError("a non-finite loss or gradient in the step; no step taken")
+        weights = head[slots : 2 * slots]
+        whole = float(weights.sum())
+        for q, g in zip(self.params, summed):
+            q.grad = (g / whole).to(q.dtype)
+        if self.cfg.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        losses = np.divide(
+            head[:slots], weights, out=np.zeros(slots, np.float32), where=weights > 0
+        )
+        return losses, head[2 * slots : 3 * slots]
 
     def evaluate(self) -> float | None:
         if not self.valid_set.examples:
             return None
         total = weight = 0.0
-        for ex in self.valid_set.examples:
+        for ex in self.valid_set.examples[self.ranks.rank :: self.ranks.size]:
             walk = PlainWalk(
                 self.model, Window.of(ex.inputs, ex.targets, ex.weights), self.walk_config
             )
             total += walk.loss_only() * ex.trainable
             weight += ex.trainable
-        return total / weight
+        total, weight = self.ranks.sum_numpy(np.array([total, weight], np.float64))
+        return float(total / weight)
 
     def end_epoch(self, partial: bool) -> None:
         p = self.position
@@ -315,8 +409,10 @@ class TorchRun:
             for name in ("adapter_model.safetensors", "adapter_config.json"):
                 Path(tmp, name).replace(folder / name)
 
-    def checkpoint(self) -> Path:
+    def checkpoint(self) -> Path | None:
         """The adapter, the optimizer and the position, as one folder renamed into place."""
+        if not self.ranks.leader:
+            return None
         root = self.out / CHECKPOINTS
         root.mkdir(parents=True, exist_ok=True)
         final = root / f"window-{self.position.windows:07d}"
@@ -352,13 +448,22 @@ class TorchRun:
             "window_losses": self.position.losses,
             "epochs": self.position.epochs,
             "config": asdict(cfg),
+            "ranks": self.ranks.size,
         }
-        report.write(self.out, summary)
+        if self.ranks.leader:
+            report.write(self.out, summary)
         return summary
 
 
 def train_run(cfg: TrainConfig, echo=print) -> dict:
-    run = TorchRun(cfg, echo)
+    ranks = TorchRanks.init()
+    run, error = None, None
+    try:  # a refusal on any rank stops every rank, before any of them trains
+        run = TorchRun(cfg, echo, ranks)
+    except Exception as e:
+        error = e
+    ranks.agree(error)
+    echo = run.echo
     echo(
         f"model {cfg.model} (torch {torch.__version__} on {run.device}), "
         f"{len(run.train_set.examples)} training and {len(run.valid_set.examples)} validation "

@@ -50,6 +50,10 @@ class Ranks:
             return x
         return mx.distributed.all_sum(x, group=self.group, stream=mx.cpu)
 
+    def sum_numpy(self, x: np.ndarray) -> np.ndarray:
+        """all_sum of a small host array (flags, words), in the group's framework."""
+        return x if self.size == 1 else np.array(self.all_sum(mx.array(x)))
+
     def mine(self, step: list, per_rank: int) -> list:
         """This rank's share of a step's slice of the epoch's order."""
         return step[self.rank * per_rank : (self.rank + 1) * per_rank]
@@ -59,7 +63,7 @@ class Ranks:
         did, with its words (this call is where the ranks meet)."""
         flags = np.zeros(self.size, np.float32)
         flags[self.rank] = error is not None
-        flags = np.array(self.all_sum(mx.array(flags)))
+        flags = self.sum_numpy(flags)
         if flags.any():
             self._raise(int(np.flatnonzero(flags)[0]), error)
 
@@ -68,7 +72,7 @@ class Ranks:
         if error is not None:
             text = (str(error) or type(error).__name__).encode()[:MESSAGE_BYTES]
             words[self.rank, : len(text)] = np.frombuffer(text, np.uint8)
-        words = np.array(self.all_sum(mx.array(words)))[first].astype(np.uint8)
+        words = self.sum_numpy(words)[first].astype(np.uint8)
         cause = bytes(words).rstrip(b"\0").decode(errors="replace")
         if self.size == 1 and error is not None:
             raise error
@@ -81,7 +85,7 @@ class Ranks:
         """Every rank waits here for every other (after the leader has said why it stops): a
         launcher ends the others once one rank exits, and the leader must not be ended before
         its line is out and its folder tidied."""
-        mx.eval(self.all_sum(mx.zeros(1)))
+        self.sum_numpy(np.zeros(1, np.float32))
 
 
 @dataclass
