@@ -60,6 +60,7 @@ def test_peft_to_mlx_lm(tmp_path):
     assert convert(tmp_path / "peft", tmp_path / "mlx", model=base) == "mlx"
     mlx_model, _ = mlx_lm.load(str(base), adapter_path=str(tmp_path / "mlx"))
     got = mlx_logits(mlx_model)
+    print(f"PEFT -> mlx-lm: logits relative error {rel(got, want):.1e}")
     assert rel(got, want) < 1e-4
     assert rel(got, hf_logits(hf_model(base))) > 1e-2  # the adapter does change the logits
 
@@ -78,6 +79,7 @@ def test_mlx_lm_to_peft(tmp_path):
     want = mlx_logits(model)
     assert convert(tmp_path / "mlx", tmp_path / "peft", model=base) == "peft"
     hf = peft.PeftModel.from_pretrained(hf_model(base), str(tmp_path / "peft"))
+    print(f"mlx-lm -> PEFT: logits relative error {rel(hf_logits(hf), want):.1e}")
     assert rel(hf_logits(hf), want) < 1e-4
 
 

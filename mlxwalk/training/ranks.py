@@ -13,6 +13,8 @@ travel only when a rank failed, in a second `all_sum` of bytes.
 
 from __future__ import annotations
 
+import signal
+import time
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -22,6 +24,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from ..plan import PlanError
 
 MESSAGE_BYTES = 400  # a failure's words, per rank
+LEADER_FIRST_S = 2.0  # how long the other ranks wait to exit after a failure, leader first
 
 
 class RankFailed(PlanError):
@@ -86,6 +89,9 @@ class Ranks:
         launcher ends the others once one rank exits, and the leader must not be ended before
         its line is out and its folder tidied."""
         self.sum_numpy(np.zeros(1, np.float32))
+        if not self.leader:  # the leader exits first (its status is the one launchers report);
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a launcher's kill then just ends us
+            time.sleep(LEADER_FIRST_S)
 
 
 @dataclass

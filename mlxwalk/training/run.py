@@ -139,6 +139,7 @@ class Run:
         self.peak = 0
         self.watch = Watch(cfg, self.layout.vocab, echo)
         self.streak = 0  # non-finite windows in a row (--on-nan skip)
+        self.reduce_seconds = 0.0  # in the steps' reductions (and waiting for other ranks)
         self.undo = None  # (position, adapter and optimizer state) at the window's start
         self.partial: Epoch | None = None  # the epoch row of a run stopped by --iters
         self.bar = None
@@ -286,7 +287,9 @@ class Run:
         tic = time.perf_counter()
         mx.reset_peak_memory()
         part, error = self.walk_share(examples)
+        walked = time.perf_counter()
         step = reduce_step(self.ranks, part, error)
+        self.reduce_seconds += time.perf_counter() - walked  # the wait for the slowest rank too
         if not step.finite:
             self.restore(self.undo[1])
             self.non_finite(examples, error or NonFinite("a NaN or infinite loss or gradient"))
@@ -531,6 +534,7 @@ class Run:
             "epochs": epochs,
             "config": {f.name: getattr(cfg, f.name) for f in fields(cfg)},
             "ranks": self.ranks.size,
+            "reduce_seconds": round(self.reduce_seconds, 4),
         }
         if self.ranks.leader:
             report.write(self.out, summary)
