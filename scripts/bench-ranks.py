@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -25,9 +26,10 @@ SCRIPT = Path(sys.executable).parent / "mlxwalk"  # the environment's script: a 
 
 def train(ranks: int, backend: str, args: list[str], out: Path) -> dict:
     cmd = [sys.executable, str(SCRIPT), *args, "--adapter-path", str(out)]
-    if ranks > 1:
+    if ranks > 1:  # ranks on one machine share its cores: OpenBLAS's threads split between them
+        threads = max(1, (os.cpu_count() or 1) // ranks)
         cmd = [str(LAUNCH), "-n", str(ranks), "--backend", backend, "--python", sys.executable,
-               *cmd[1:]]  # fmt: skip
+               "--env", f"OPENBLAS_NUM_THREADS={threads}", *cmd[1:]]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if "error" in done.stderr or not (out / "report.json").exists():
         sys.exit(f"{ranks} rank(s): {done.stderr.strip()[-500:]}")

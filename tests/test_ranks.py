@@ -29,6 +29,7 @@ def free_port() -> int:
 
 def launch(ranks: int, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     cmd = [str(LAUNCH), "-n", str(ranks), "--backend", "ring", "-p", str(free_port()),
+           "--env", "OPENBLAS_NUM_THREADS=1",  # two ranks on this machine's cores
            "--python", sys.executable, str(ROOT / "tests" / "launched.py"), *args]  # fmt: skip
     if env:
         cmd[1:1] = [a for k, v in env.items() for a in ("--env", f"{k}={v}")]
