@@ -131,7 +131,20 @@ FAMILIES: dict[str, TinySpec] = {
     ),
 }  # fmt: skip
 
+# Quantized as mlx-lm quantizes (affine, groups of 64; the embedding too), from the models above:
+# the walk over QuantizedLinear layers under LoRA, as most Mac users train.
+QUANTIZED: dict[str, tuple[str, int]] = {
+    "tiny-qwen2-4bit": ("tiny-qwen2", 4),
+    "tiny-qwen2-8bit": ("tiny-qwen2", 8),
+    "tiny-qwen3_5-4bit": ("tiny-qwen3_5", 4),
+}
+
 DEFAULT_MODEL = "tiny-qwen2"
+
+
+def bundled() -> list[str]:
+    """Every bundled model's name."""
+    return [*MODELS, *FAMILIES, *QUANTIZED]
 
 
 def home() -> Path:
@@ -141,22 +154,37 @@ def home() -> Path:
 def path(name: str = DEFAULT_MODEL) -> Path:
     """The folder of a bundled model, generated on first use."""
     specs = {**MODELS, **FAMILIES}
-    if name not in specs:
-        raise ValueError(f"unknown bundled model {name!r}; bundled: {', '.join(specs)}")
+    if name not in specs and name not in QUANTIZED:
+        raise ValueError(f"unknown bundled model {name!r}; bundled: {', '.join(bundled())}")
     folder = home() / "models" / f"{name}-v{VERSION}"
     if not (folder / "model.safetensors").exists():
-        write(specs[name], folder)
+        if name in QUANTIZED:
+            _publish(folder, lambda tmp: _write_quantized(*QUANTIZED[name], tmp))
+        else:
+            write(specs[name], folder)
     return folder
 
 
-def write(spec: TinySpec, folder: Path) -> Path:
-    """Write `spec` into `folder` atomically: a temporary sibling, then a rename."""
+def _write_quantized(base: str, bits: int, folder: Path) -> None:
+    import mlx_lm
+    from mlx_lm.utils import quantize_model, save_config, save_model
+
+    source = path(base)
+    model, _ = mlx_lm.load(str(source))
+    config = json.loads((source / "config.json").read_text())
+    model, config = quantize_model(model, config, group_size=64, bits=bits)
+    save_model(folder, model)
+    save_config(config, folder / "config.json")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(source / name, folder / name)
+
+
+def _publish(folder: Path, fill) -> None:
+    """`fill` a temporary sibling of `folder`, then rename it into place."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
-        (tmp / "config.json").write_text(json.dumps(spec.config, indent=2))
-        _write_weights(spec, tmp / "model.safetensors")
-        _write_tokenizer(tmp)
+        fill(tmp)
         tmp.chmod(0o755)
         try:
             os.rename(tmp, folder)
@@ -165,6 +193,17 @@ def write(spec: TinySpec, folder: Path) -> Path:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write(spec: TinySpec, folder: Path) -> Path:
+    """Write `spec` into `folder` atomically: a temporary sibling, then a rename."""
+
+    def fill(tmp: Path) -> None:
+        (tmp / "config.json").write_text(json.dumps(spec.config, indent=2))
+        _write_weights(spec, tmp / "model.safetensors")
+        _write_tokenizer(tmp)
+
+    _publish(folder, fill)
     return folder
 
 

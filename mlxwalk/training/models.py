@@ -14,7 +14,7 @@ class ModelNotFound(FileNotFoundError):
 
 def resolve(model: str) -> Path:
     """The local folder for `model`."""
-    if model in tiny.MODELS or model in tiny.FAMILIES:
+    if model in tiny.bundled():
         return tiny.path(model)
     path = Path(model).expanduser()
     if path.exists():
