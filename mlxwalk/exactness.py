@@ -9,7 +9,8 @@ Rows (numbered after the reference system's acceptance test):
   (3)  a host budget of 1 byte is refused, naming host memory, and the adapter is untouched
   (4)  recurrent models: a host budget of 3/4 of the per-chunk checkpoints forces a stride > 1,
        holds fewer bytes and gives the same gradient
-  (7)  recompute (activation checkpointing in the chunk graph) vs not
+  (7)  recompute (each layer's graph alone, from its input kept from the decode) vs not
+  (7b) recompute from a recorded forward (no inputs kept) vs not
 The adapter is moved to a random nonzero point first, so every LoRA gradient is nonzero.
 """
 
@@ -180,9 +181,16 @@ class Table:
             self.strided(every)
         self.compared(
             "(7)",
-            "recompute vs not",
+            "recompute, layer inputs kept, vs not",
             EXACT,
-            lambda: self.grad(every, chunk=self.chunk, recompute=True),
+            lambda: self.grad(every, chunk=self.chunk, recompute=True, keep_inputs="on"),
+            lambda: exact,
+        )
+        self.compared(
+            "(7b)",
+            "recompute, a recorded forward, vs not",
+            EXACT,
+            lambda: self.grad(every, chunk=self.chunk, recompute=True, keep_inputs="off"),
             lambda: exact,
         )
         return self.rows

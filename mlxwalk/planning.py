@@ -3,6 +3,8 @@ training. The window is taken fully labelled (the most positions computed)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from .plan import OutOfMemory, PlanError, mib
@@ -29,6 +31,8 @@ def report(model, name: str, window: int, config: WalkConfig, echo=print) -> boo
     # Without a budget nothing is probed: the graph's share is measured only when it matters.
     unmeasured = budget.Activations(config.chunk, 0.0, 0.0)
     est = walk.estimate or budget.estimate(model, layout, unmeasured, plan, config.cache_type)
+    if walk.keep and not est.inputs:  # --recompute's layer inputs, kept from the decode
+        est = replace(est, inputs=budget.inputs_bytes(layout, plan))
     for line in est.lines():
         echo(line)
     if walk.estimate is None:
@@ -87,5 +91,6 @@ def run(args) -> int:
         host_budget_mib=args.host_budget_mib,
         memory_budget_mib=args.memory_budget_mib,
         recompute=bool(args.recompute),
+        keep_inputs=args.keep_inputs,
     ).check()
     return 0 if report(model, args.model, args.window, config) else 1

@@ -96,6 +96,9 @@ class TrainConfig:
                                              "or held to it", plan=True)  # fmt: skip
     recompute: bool = option(False, "activation checkpointing inside each chunk's graph",
                              plan=True)  # fmt: skip
+    keep_inputs: str = option("auto", "with --recompute, each layer's input kept from the decode "
+                              "(no recorded forward): auto (when it fits the memory budget), on "
+                              "or off", plan=True)  # fmt: skip
     strict_exact: bool = option(False, "refuse a window the memory budget fits only with a "
                                 "narrowed horizon (not exact)")  # fmt: skip
     epochs: int = option(3, "passes over the training windows")
@@ -191,4 +194,5 @@ class TrainConfig:
             seed=seed,
             follow_runs=self.follow_runs,
             strict_exact=self.strict_exact,
+            keep_inputs=self.keep_inputs,
         ).check()

@@ -59,6 +59,7 @@ def window_gradient(
     memory_budget_mib: float | None = None,
     accumulator_dtype: str = "float32",
     attention: str = "auto",
+    keep_inputs: str = "auto",
 ) -> tuple[float, dict]:
     """The window's loss sum(w * CE) / sum(w) and its gradient in `model.trainable_parameters()`.
 
@@ -78,6 +79,7 @@ def window_gradient(
         memory_budget_mib=memory_budget_mib,
         accumulator_dtype=accumulator_dtype,
         attention=attention,
+        keep_inputs=keep_inputs,
     ).check()
     if walk == "one-graph":
         loss, grads = one_graph(model, window)

@@ -34,6 +34,7 @@ class Layout:
     state_dtypes: tuple[tuple[mx.Dtype, ...], ...]
     dtype: mx.Dtype  # the K/V the model computes
     vocab: int  # token ids the model takes and predicts: [0, vocab)
+    hidden: int = 0  # the width of a decoder layer's input (0: unknown)
 
     @property
     def attention(self) -> list[int]:
@@ -94,7 +95,20 @@ def inspect(model: nn.Module) -> Layout:
             shapes.append(tuple(tuple(a.shape) for a in c.cache))
             dtypes.append(tuple(a.dtype for a in c.cache))
     vocab = min(logits.shape[-1], embedding_rows(model) or logits.shape[-1])
-    return Layout(name, tuple(kinds), tuple(kv), tuple(shapes), tuple(dtypes), dtype, vocab)
+    return Layout(name, tuple(kinds), tuple(kv), tuple(shapes), tuple(dtypes), dtype, vocab,
+                  hidden_size(model))  # fmt: skip
+
+
+def hidden_size(model: nn.Module) -> int:
+    """The model's hidden size from its arguments (the text model's, for a multimodal one)."""
+    lm = getattr(model, "language_model", model)
+    args = getattr(lm, "args", None)
+    for source in (args, getattr(args, "text_config", None)):
+        value = source.get("hidden_size") if isinstance(source, dict) else (
+            getattr(source, "hidden_size", None))  # fmt: skip
+        if isinstance(value, int):
+            return value
+    return 0
 
 
 def embedding_rows(model: nn.Module) -> int | None:

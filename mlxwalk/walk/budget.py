@@ -46,11 +46,12 @@ class Estimate:
     checkpoints: int
     graph: int
     resident: int = 0  # what else MLX holds when the walk starts (measured at its start)
+    inputs: int = 0  # the decoder layers' inputs kept from the decode (--keep-inputs)
 
     @property
     def device(self) -> int:
-        """What one chunk's reverse step works on: its graph and the K/V store."""
-        return self.graph + self.store
+        """What one chunk's reverse step works on: its graph, the K/V store, kept inputs."""
+        return self.graph + self.store + self.inputs
 
     @property
     def host(self) -> int:
@@ -67,6 +68,14 @@ class Estimate:
             *([f"  other arrays       {mib(self.resident):>12}"] if self.resident else []),
             f"  device: graph      {mib(self.graph):>12}   (one chunk, at the last chunk's taps)",
             f"  device: K/V store  {mib(self.store):>12}",
+            *(
+                [
+                    f"  device: inputs     {mib(self.inputs):>12}   (each layer's, kept from the "
+                    "decode)"
+                ]
+                if self.inputs
+                else []
+            ),  # fmt: skip
             f"  host: accumulators {mib(self.accumulators):>12}",
             f"  host: checkpoints  {mib(self.checkpoints):>12}",
             f"  total              {mib(self.total):>12}",
@@ -123,6 +132,12 @@ def estimate(
     )
 
 
+def inputs_bytes(layout, plan) -> int:
+    """The decoder layers' inputs (and the last one's output) over every decoded chunk."""
+    decoded = plan.chunks[-1].start  # the last chunk is not decoded
+    return (len(layout.kinds) + 1) * layout.hidden * decoded * layout.dtype.size
+
+
 def what_fits(layout, cache_type: str) -> str:
     """What would need less memory, for a refusal: q8 only where the model's heads allow it."""
     offers = ["a shorter window", "a smaller chunk"]
@@ -141,6 +156,7 @@ def admit(est: Estimate, budget_bytes: int | None, what: str) -> None:
             f"{mib(est.checkpoints)}, one chunk's graph "
             + (mib(est.graph) if est.graph else "not counted")
             + (f", other arrays {mib(est.resident)}" if est.resident else "")
+            + (f", kept layer inputs {mib(est.inputs)}" if est.inputs else "")
             + f") but the memory budget is {mib(budget_bytes)}; {what}"
         )
 

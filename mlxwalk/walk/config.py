@@ -13,6 +13,7 @@ from .store import check_cache_type
 
 WALKS = ("exact", "plain", "one-graph")
 ATTENTIONS = ("auto", "tiled", "fused")
+KEEP_INPUTS = ("auto", "on", "off")
 
 
 @dataclass
@@ -28,6 +29,9 @@ class WalkConfig:
     accumulator_dtype: str = "float32"
     attention: str = "auto"  # "tiled" (chunk_attention), "fused" (mlx-lm's); auto: ops.attention
     strict_exact: bool = False  # refuse a window the memory budget would narrow the horizon of
+    # with recompute: each layer's input, kept from the decode, replaces the recorded forward of
+    # the reverse pass (layerwise.py); auto: when they fit the memory budget (or there is none)
+    keep_inputs: str = "auto"
 
     def check(self) -> WalkConfig:
         if self.chunk < 1:
@@ -39,6 +43,14 @@ class WalkConfig:
             raise PlanError(
                 f"attention {self.attention!r} is unknown; choose one of {', '.join(ATTENTIONS)}"
             )
+        if self.keep_inputs not in KEEP_INPUTS:
+            raise PlanError(
+                f"keep-inputs {self.keep_inputs!r} is unknown; choose one of "
+                f"{', '.join(KEEP_INPUTS)}"
+            )
+        if self.keep_inputs == "on" and not self.recompute:
+            raise PlanError("--keep-inputs on: kept layer inputs serve --recompute's reverse "
+                            "pass; give --recompute too")  # fmt: skip
         if self.accumulator_dtype not in ACCUMULATOR_DTYPES:
             raise PlanError(
                 f"accumulator dtype {self.accumulator_dtype!r} is unknown; "

@@ -30,7 +30,7 @@ from . import probe as probes
 from .accum import ACCUMULATOR_DTYPES, Accumulators
 from .config import WalkConfig, Window
 from .runner import ChunkRunner, State, walking
-from .taps import release
+from .taps import keeping, release
 
 log = logging.getLogger("mlxwalk")
 
@@ -42,6 +42,9 @@ class ExactWalk(ChunkRunner):
         super().__init__(model, window, config, layout)
         self.plan = self.make_plan(self.config.host_budget)
         self.checkpoints: dict[int, State] = {}
+        self.kept: dict[int, list[mx.array]] = {}  # per decoded chunk, its layers' inputs
+        self.keep = self.config.recompute and self.head is not None and (
+            self.config.keep_inputs != "off")  # fmt: skip
         self.horizon_used = self.config.horizon  # narrowed per chunk if the memory budget asks
         self.estimate = self.admit()
         if self.config.strict_exact:
@@ -83,6 +86,9 @@ class ExactWalk(ChunkRunner):
                 self.plan, est = plan, self.measure(plan)
                 least = replace(est, graph=least.graph)
         budget.admit(least, device, budget.what_fits(self.layout, self.config.cache_type))
+        if self.keep and self.config.keep_inputs == "auto" and est.total > device:
+            self.keep = False  # auto: the inputs are kept only where they fit with the rest
+            est = self.measure(self.plan)
         return est
 
     def refuse_floor(self, device: int) -> None:
@@ -99,7 +105,9 @@ class ExactWalk(ChunkRunner):
         """The estimate for `plan`, with whatever else MLX holds now beyond the model's weights and
         the adapter's share (arrays the walk can't know of count against the budget too)."""
         est = budget.estimate(self.model, self.layout, self.acts, plan, self.config.cache_type)
-        return replace(est, resident=max(0, mx.get_active_memory() - est.weights - est.adapter))
+        inputs = budget.inputs_bytes(self.layout, plan) if self.keep else 0
+        resident = max(0, mx.get_active_memory() - est.weights - est.adapter)
+        return replace(est, resident=resident, inputs=inputs)
 
     def graph_bytes(self, taps: int, prefix: int) -> int:
         return budget.graph_bytes(self.acts, self.layout.footprint(), taps, prefix)
@@ -159,8 +167,12 @@ class ExactWalk(ChunkRunner):
                 self.decode_forward()
                 return self.reverse()
         finally:
+            self.kept = {}  # a chunk the reverse pass did not need leaves its inputs here
             if limit is not None:
                 mx.set_memory_limit(limit)
+
+    def kept_inputs(self, chunk: Chunk) -> list[mx.array] | None:
+        return self.kept.get(chunk.index)
 
     def decode_forward(self) -> None:
         self._new_store(self.plan.computed)
@@ -171,7 +183,12 @@ class ExactWalk(ChunkRunner):
             if self.plan.checkpointed(chunk.index):
                 self.checkpoints[chunk.index] = state
             # The last chunk's K/V and exit state are read by no later chunk: not decoded.
-            if chunk is not chunks[-1]:
+            if chunk is not chunks[-1] and self.keep:
+                with keeping() as kept:
+                    state = self.decode(chunk, state)
+                mx.eval(kept)
+                self.kept[chunk.index] = kept
+            elif chunk is not chunks[-1]:
                 state = self.decode(chunk, state)
             self._tick("decode", chunk.index + 1, len(chunks))
 
@@ -205,6 +222,7 @@ class ExactWalk(ChunkRunner):
         loss, g_params, g_inputs = self.graph(chunk, caches)
         mx.eval(loss, g_params, g_inputs)
         release(caches)  # the adjoint slices too, so the updates below reuse the buffers
+        self.kept.pop(chunk.index, None)  # trained: its inputs are read no more
         kv = [g or None for kind, g in zip(self.layout.kinds, g_inputs) if kind == "attention"]
         acc.add_kv(gf, kv)
         states = [g for kind, g in zip(self.layout.kinds, g_inputs) if kind == "recurrent"]

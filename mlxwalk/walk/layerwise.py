@@ -1,6 +1,7 @@
 """A chunk's gradient one layer at a time (the walk's recompute).
 
-A forward with no gradient records each decoder layer's input (taps.recording); the loss is
+A forward with no gradient records each decoder layer's input (taps.recording), or the inputs
+kept from the chunk's decode are replayed (taps.replaying, no layer run); the loss is
 differentiated in the last layer's output; then each layer, last to first, is run again and
 differentiated alone, at the gradient of its output plus its surrogate, and evaluated before the
 next. Only one layer's graph ever exists, so the peak is one layer's graph on every backend: a
@@ -17,15 +18,18 @@ from mlx.utils import tree_flatten, tree_map_with_path
 
 from .arch import Head
 from .loss import head_loss
-from .taps import recording
+from .taps import recording, replaying
 
 
-def gradient(model: nn.Module, head: Head, caches: list, x, y, w, total: float, scored: bool):
+def gradient(
+    model: nn.Module, head: Head, caches: list, x, y, w, total: float, scored: bool, kept=None
+):
     """(loss share, gradient in the model's trainable parameters, per cache its taps' gradient),
-    as `mx.value_and_grad` of the chunk's objective would give them."""
+    as `mx.value_and_grad` of the chunk's objective would give them. With `kept` (each layer's
+    input from the chunk's decode, and the last layer's output), no layer runs forward first."""
     for c in caches:
         c.bind(c.inputs())
-    with recording() as calls:
+    with recording() if kept is None else replaying(kept) as calls:
         head.body(x, caches)
     names = {id(m): name for name, m in model.named_modules()}
     by_name: dict[str, mx.array] = {}

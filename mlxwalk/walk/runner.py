@@ -139,7 +139,13 @@ class ChunkRunner:
         x, y, w = self.window.arrays(chunk.start, chunk.end)
         self._seed(chunk)
         scored = chunk.labelled
-        return layerwise.gradient(self.model, self.head, caches, x, y, w, self.window.total, scored)
+        kept = self.kept_inputs(chunk)
+        return layerwise.gradient(self.model, self.head, caches, x, y, w, self.window.total, scored,
+                                  kept)  # fmt: skip
+
+    def kept_inputs(self, chunk: Chunk) -> list | None:
+        """The chunk's layer inputs kept from its decode (ExactWalk), else None."""
+        return None
 
     def decode(self, chunk: Chunk, entry: State, write: bool = True, losses: list | None = None):
         """Run `chunk` with no gradient; write its K/V to the store; return its exit state.

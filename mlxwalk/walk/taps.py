@@ -186,6 +186,8 @@ class LayerCall:
 
 _recording: list[LayerCall] | None = None
 _eager = False
+_keeping: list[mx.array] | None = None  # the decode: each layer's input, then the last output
+_replaying: list[mx.array] | None = None  # the reverse: those inputs, handed back in order
 
 
 @contextmanager
@@ -208,6 +210,31 @@ def recording() -> Iterator[list[LayerCall]]:
         yield _recording
     finally:
         _recording = previous
+
+
+@contextmanager
+def keeping() -> Iterator[list[mx.array]]:
+    """Within the block (a decode), each walk layer's input is kept, and the last layer's
+    output after them: the list the reverse pass replays."""
+    global _keeping
+    previous, _keeping = _keeping, []
+    try:
+        yield _keeping
+    finally:
+        _keeping = previous
+
+
+@contextmanager
+def replaying(kept: list[mx.array]) -> Iterator[list[LayerCall]]:
+    """As `recording`, with no layer run: each walk layer's call is recorded with its kept
+    input and returns the next layer's (the body's other work, its masks, is cheap)."""
+    global _recording, _replaying
+    previous = _recording, _replaying
+    _recording, _replaying = [], list(kept)
+    try:
+        yield _recording
+    finally:
+        _recording, _replaying = previous
 
 
 _walk_classes: dict[tuple[type, bool], type] = {}
@@ -242,20 +269,30 @@ def _walk_class(base: type, recompute: bool) -> type:
         cache = _find_cache(args, kwargs)
         if cache is None:
             return call(self, x, *args, **kwargs)
+        if _replaying is not None:
+            x, y = _replaying[0], _replaying[1]
+            del _replaying[0]
+            _recording.append(LayerCall(self, call, x, y, args, kwargs, cache))
+            return y
+        if _keeping is not None:
+            _keeping[-1:] = [x]  # (the previous layer's output, when it is this one's input)
         if _eager:
             y = call(self, x, *args, **kwargs)
             mx.eval(y)  # one layer's graph at a time
-            return y
-        if _recording is not None:
+        elif _recording is not None:
             y = call(self, x, *args, **kwargs)
             mx.eval(x, y)  # one layer at a time: its graph is freed before the next is built
             _recording.append(LayerCall(self, call, x, y, args, kwargs, cache))
-            return y
-        if not recompute:  # the taps are already bound and in the graph: nothing to pass
+        elif not recompute or _keeping is not None:  # the taps are bound and in the graph
             y = call(self, x, *args, **kwargs)
             cache.surrogate_value = cache.surrogate()
-            return y
+        else:
+            return checkpointed(self, cache, x, args, kwargs)
+        if _keeping is not None:
+            _keeping.append(y)
+        return y
 
+    def checkpointed(self, cache, x, args: tuple, kwargs: dict):
         def layer(params, x, taps):
             self.update(params)
             cache.bind(taps)
