@@ -80,6 +80,8 @@ def main() -> int:
     p.add_argument("--kinds", nargs="+")
     p.add_argument("--attention", default="auto")
     p.add_argument("--recompute", action="store_true", help="the walks checkpoint every layer")
+    p.add_argument("--keep-inputs", default="auto", choices=["auto", "on", "off"],
+                   help="with --recompute: layer inputs kept from the decode")  # fmt: skip
     p.add_argument("--delta-chunk", type=int, help="the delta rule's chunk (default: by backend)")
     p.add_argument("--limit-gib", type=float, help="the walks run with MLX held to this limit")
     p.add_argument("--small", action="store_true")
@@ -97,12 +99,17 @@ def main() -> int:
         return code
     delta.CHUNK = a.delta_chunk
     config = WalkConfig(
-        chunk=a.chunk, cache_type="bfloat16", attention=a.attention, recompute=a.recompute
+        chunk=a.chunk,
+        cache_type="bfloat16",
+        attention=a.attention,
+        recompute=a.recompute,
+        keep_inputs=a.keep_inputs,
     )
     if a.what == "attention":
         model, n = bench.shaped("qwen2-0.5b", a.small)
         header(f"qwen2-0.5b shape, {n / 1e6:.0f}M parameters, bf16, LoRA r8 on 16 layers, "
-               f"chunk {a.chunk}, attention {a.attention}, recompute {a.recompute}, "
+               f"chunk {a.chunk}, attention {a.attention}, recompute {a.recompute} (keep inputs "
+               f"{a.keep_inputs}), "
                f"walks' memory limit {a.limit_gib} GiB")  # fmt: skip
         windows = a.windows or [4096, 16384, 65536]
         kinds = a.kinds or ["mlx-lm+ckpt", "mlx-lm", "exact", "plain"]
