@@ -73,7 +73,7 @@ class Table:
         )
         self.compared(
             "(1c)",
-            "the K/V store and gradient accumulators in host memory vs on the device",
+            "K/V store and accumulators in host memory vs device",
             EXACT,
             lambda: self.grad(every, chunk=c, accumulators="host", store="host"),
             lambda: exact,
