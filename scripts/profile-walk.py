@@ -4,6 +4,9 @@ decode and train step of a window, and the isolated peaks of the chunk graph's t
 (attention's backward over the prefix, the cross-entropy's backward over the vocabulary).
 
     scripts/profile-walk.py [--window 65536] [--chunk 8192] [--recompute] [--small]
+                            [--keep-inputs auto|on|off]
+Each decode and train step's seconds are printed beside its peak (each step ends in an
+evaluation, so its time is the device's).
 """
 
 import argparse
@@ -78,6 +81,7 @@ def main() -> int:
     p.add_argument("--window", type=int, default=65536)
     p.add_argument("--chunk", type=int, default=8192)
     p.add_argument("--recompute", action="store_true")
+    p.add_argument("--keep-inputs", default="auto", choices=["auto", "on", "off"])
     p.add_argument("--small", action="store_true")
     p.add_argument("--compare", action="store_true",
                    help="only the walk's peak without recompute, with one checkpointed graph per "
@@ -95,26 +99,35 @@ def main() -> int:
         return compare(model, a)
     ids = bench.ids_for(a.window)
     win = Window.of(ids[:-1], ids[1:], [1.0] * a.window)
-    config = WalkConfig(chunk=a.chunk, cache_type="bfloat16", recompute=a.recompute)
+    config = WalkConfig(chunk=a.chunk, cache_type="bfloat16", recompute=a.recompute,
+                        keep_inputs=a.keep_inputs)  # fmt: skip
     for _ in range(2):  # the first compiles kernels and fills caches
         mx.clear_cache()
         mx.reset_peak_memory()
-        rows = []
+        rows, last = [], [time.perf_counter()]
 
-        def tick(phase, done, of, rows=rows):
-            rows.append((phase, done, mx.get_peak_memory() / MIB, mx.get_active_memory() / MIB))
+        def tick(phase, done, of, rows=rows, last=last):
+            now = time.perf_counter()
+            rows.append((phase, done, mx.get_peak_memory() / MIB, mx.get_active_memory() / MIB,
+                         now - last[0]))  # fmt: skip
+            last[0] = now
             mx.reset_peak_memory()
 
         walk = ExactWalk(model, win, config)
         walk.on_chunk = tick
-        t = time.perf_counter()
+        t = last[0] = time.perf_counter()
         loss, grads = walk.run()
         mx.eval(loss, grads)
         took = time.perf_counter() - t
-    print(f"exact walk, window {a.window}, chunk {a.chunk}, recompute {a.recompute}: {took:.2f} s")
-    print("| phase | chunk | peak MiB | active after MiB |\n|---|---:|---:|---:|")
-    for phase, done, peak, active in rows:
-        print(f"| {phase} | {done} | {peak:.0f} | {active:.0f} |")
+    print(
+        f"exact walk, window {a.window}, chunk {a.chunk}, recompute {a.recompute} (keep inputs "
+        f"{a.keep_inputs}: {'kept' if walk.keep else 'not kept'}): {took:.2f} s"
+    )
+    print("| phase | chunk | peak MiB | active after MiB | seconds |\n|---|---:|---:|---:|---:|")
+    for phase, done, peak, active, seconds in rows:
+        print(f"| {phase} | {done} | {peak:.0f} | {active:.0f} | {seconds:.3f} |")
+    for phase in ("decode", "train"):
+        print(f"{phase}: {sum(r[4] for r in rows if r[0] == phase):.2f} s")
     return 0
 
 
