@@ -3,7 +3,6 @@ one process trains stepping on both windows at once, and a failing rank stops bo
 
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,15 +14,11 @@ pytest.importorskip("transformers")
 
 from safetensors.numpy import load_file  # noqa: E402
 
+from .test_ranks import free_port, one  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 RUN = ["train", "--backend", "torch", "--model", "tiny-qwen2", "--iters", "4", "--epochs", "1",
        "--chunk", "64", "--window", "256", "--no-progress", "--seed", "3"]  # fmt: skip
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun(ranks: int, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -32,11 +27,6 @@ def torchrun(ranks: int, *args: str, env: dict | None = None) -> subprocess.Comp
            *args]  # fmt: skip
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})  # fmt: skip
-
-
-def one(*args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(ROOT / "tests" / "launched.py"), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
 
 
 def adapter(folder: Path) -> np.ndarray:

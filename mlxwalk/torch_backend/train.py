@@ -457,12 +457,7 @@ class TorchRun:
 
 def train_run(cfg: TrainConfig, echo=print) -> dict:
     ranks = TorchRanks.init()
-    run, error = None, None
-    try:  # a refusal on any rank stops every rank, before any of them trains
-        run = TorchRun(cfg, echo, ranks)
-    except Exception as e:
-        error = e
-    ranks.agree(error)
+    run = ranks.together(lambda: TorchRun(cfg, echo, ranks))  # a refusal anywhere stops every rank
     echo = run.echo
     echo(
         f"model {cfg.model} (torch {torch.__version__} on {run.device}), "

@@ -70,6 +70,17 @@ class Ranks:
         if flags.any():
             self._raise(int(np.flatnonzero(flags)[0]), error)
 
+    def together(self, make):
+        """`make()` on every rank: its result, or, if it raised on any rank, RankFailed on all
+        (one process: the error itself), before any rank goes on alone."""
+        made, error = None, None
+        try:
+            made = make()
+        except Exception as e:
+            error = e
+        self.agree(error)
+        return made
+
     def _raise(self, first: int, error: BaseException | None) -> None:
         words = np.zeros((self.size, MESSAGE_BYTES), np.int32)
         if error is not None:

@@ -139,6 +139,7 @@ class Run:
         self.peak = 0
         self.watch = Watch(cfg, self.layout.vocab, echo)
         self.streak = 0  # non-finite windows in a row (--on-nan skip)
+        self.nan: NonFinite | None = None  # what this rank's non-finite window said
         self.reduce_seconds = 0.0  # in the steps' reductions (and waiting for other ranks)
         self.undo = None  # (position, adapter and optimizer state) at the window's start
         self.partial: Epoch | None = None  # the epoch row of a run stopped by --iters
@@ -391,7 +392,7 @@ class Run:
         where = (f"window {p.windows + 1} (epoch {p.epoch + 1}, {first})" if n == 1 else
                  f"the step on windows {p.windows + 1}-{p.windows + n} (epoch {p.epoch + 1}, "
                  f"from {first})")  # fmt: skip
-        error = getattr(self, "nan", None) or error
+        error = self.nan or error
         self.nan = None
         self.streak += 1
         if self.cfg.on_nan == "skip" and self.streak < SKIP_LIMIT:
@@ -573,12 +574,7 @@ def default_path(model: str) -> Path:
 
 def train_run(cfg: TrainConfig, echo=say) -> dict:
     ranks = Ranks.init()
-    run, error = None, None
-    try:  # a refusal on any rank stops every rank, before any of them trains
-        run = Run(cfg, echo, ranks)
-    except Exception as e:
-        error = e
-    ranks.agree(error)
+    run = ranks.together(lambda: Run(cfg, echo, ranks))  # a refusal anywhere stops every rank
     echo = run.echo
     est = run.memory
     echo(f"model {cfg.model} ({run.layout.model_type}), {len(run.train_set.examples)} training and "
