@@ -17,7 +17,8 @@ The adapter is moved to a random nonzero point first, so every LoRA gradient is 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 import mlx.core as mx
@@ -85,6 +86,23 @@ def prepare(model: nn.Module, seed: int = 0, rank: int = 8) -> nn.Module:
     )
     mx.eval(model.parameters())
     return model
+
+
+@contextmanager
+def upper_layers_only(model: nn.Module, first: int) -> Iterator[None]:
+    """Within the block, only the adapters of layers `first` and above train (mlx-lm's
+    --num-layers): the walk's stem (arch.stem) is the layers beneath."""
+    frozen = [layer for layer in model.layers[:first]]
+    names = [[k for k, _ in tree_flatten(layer.trainable_parameters())] for layer in frozen]
+    for layer in frozen:
+        layer.freeze()
+    try:
+        yield
+    finally:
+        for layer, keys in zip(frozen, names):
+            for key in keys:
+                path, leaf = key.rsplit(".", 1)
+                dict(layer.named_modules())[path].unfreeze(keys=[leaf], recurse=False)
 
 
 def compared_row(model: str, row: str, what: str, bar: str, walk, reference) -> Row:
@@ -193,6 +211,15 @@ class Table:
             lambda: self.grad(every, chunk=self.chunk, recompute=True, keep_inputs="off"),
             lambda: exact,
         )
+        half = len(self.layout.kinds) // 2
+        with upper_layers_only(self.model, half):
+            self.compared(
+                "(8)",
+                f"LoRA on layers {half}+ only, recompute: exact vs one graph",
+                EXACT,
+                lambda: self.grad(every, chunk=self.chunk, recompute=True, keep_inputs="on"),
+                lambda: self.grad(every, chunk=self.n, walk="one-graph"),
+            )
         return self.rows
 
     def refusal(self, weights) -> Row:

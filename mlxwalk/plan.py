@@ -33,10 +33,12 @@ class Footprint:
 
     kv_width: elements per position of every attention layer's K and V together.
     state_bytes: bytes of every recurrent layer's state at one chunk boundary.
+    tapped_width: kv_width of the attention layers whose K/V carry a gradient (None: all).
     """
 
     kv_width: int
     state_bytes: int = 0
+    tapped_width: int | None = None
 
     @property
     def recurrent(self) -> bool:
@@ -144,8 +146,9 @@ def mark(chunks: Sequence[Chunk], horizon: int, recurrent: bool) -> list[Chunk]:
 
 
 def accumulator_bytes(positions: int, footprint: Footprint, element_bytes: int = 4) -> int:
-    """The K/V gradient accumulators: every computed position of every attention layer."""
-    return positions * footprint.kv_width * element_bytes
+    """The K/V gradient accumulators: every computed position of every tapped attention layer."""
+    width = footprint.kv_width if footprint.tapped_width is None else footprint.tapped_width
+    return positions * width * element_bytes
 
 
 def checkpoint_bytes(n_chunks: int, stride: int, footprint: Footprint) -> int:

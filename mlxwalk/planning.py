@@ -28,11 +28,14 @@ def report(model, name: str, window: int, config: WalkConfig, echo=print) -> boo
         return False
     plan = walk.plan
     echo(f"  {len(plan.chunks)} chunks, checkpoint stride {plan.stride}")
+    if walk.stem:
+        echo(f"  layers 0-{walk.stem - 1} train nothing and have nothing trainable beneath them: "
+             "no taps or accumulators there, and the reverse pass starts above them")  # fmt: skip
     # Without a budget nothing is probed: the graph's share is measured only when it matters.
     unmeasured = budget.Activations(config.chunk, 0.0, 0.0)
     est = walk.estimate or budget.estimate(model, layout, unmeasured, plan, config.cache_type)
     if walk.keep and not est.inputs:  # --recompute's layer inputs, kept from the decode
-        est = replace(est, inputs=budget.inputs_bytes(layout, plan))
+        est = replace(est, inputs=budget.inputs_bytes(layout, plan, walk.stem))
     for line in est.lines():
         echo(line)
     if walk.estimate is None:

@@ -16,11 +16,22 @@ ACCUMULATOR_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
 
 class Accumulators:
     def __init__(
-        self, kv_shapes: list[tuple[int, int, int]], positions: int, dtype: str = "float32"
+        self,
+        kv_shapes: list[tuple[int, int, int]],
+        positions: int,
+        dtype: str = "float32",
+        tapped: list[bool] | None = None,  # per attention layer (None: all); the rest hold none
     ):
         self.dtype = ACCUMULATOR_DTYPES[dtype]
-        self.keys = [mx.zeros((1, h, positions, dk), self.dtype) for h, dk, _ in kv_shapes]
-        self.values = [mx.zeros((1, h, positions, dv), self.dtype) for h, _, dv in kv_shapes]
+        tapped = tapped or [True] * len(kv_shapes)
+        self.keys = [
+            mx.zeros((1, h, positions if t else 0, dk), self.dtype)
+            for (h, dk, _), t in zip(kv_shapes, tapped)
+        ]
+        self.values = [
+            mx.zeros((1, h, positions if t else 0, dv), self.dtype)
+            for (h, _, dv), t in zip(kv_shapes, tapped)
+        ]
         self.state: list[list[mx.array]] | None = None  # per recurrent layer
         self.grads = None  # the adapter's gradient, summed over chunks
         mx.eval(self.keys, self.values)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 from mlx import nn
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 
 from ..plan import Footprint, PlanError
@@ -49,14 +50,18 @@ class Layout:
         """Every attention layer's K and V head dimensions."""
         return tuple(sorted({d for _, dk, dv in self.kv_shapes for d in (dk, dv)}))
 
-    def footprint(self) -> Footprint:
+    def footprint(self, stem: int = 0) -> Footprint:
+        """The plan's numbers; with a stem, only the attention layers above it are tapped."""
         width = sum(h * (dk + dv) for h, dk, dv in self.kv_shapes)
+        tapped = sum(
+            h * (dk + dv) for i, (h, dk, dv) in zip(self.attention, self.kv_shapes) if i >= stem
+        )
         state = sum(
             _numel(s) * d.size
             for shapes, dtypes in zip(self.state_shapes, self.state_dtypes)
             for s, d in zip(shapes, dtypes)
         )
-        return Footprint(kv_width=width, state_bytes=state)
+        return Footprint(kv_width=width, state_bytes=state, tapped_width=tapped)
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -97,6 +102,28 @@ def inspect(model: nn.Module) -> Layout:
     vocab = min(logits.shape[-1], embedding_rows(model) or logits.shape[-1])
     return Layout(name, tuple(kinds), tuple(kv), tuple(shapes), tuple(dtypes), dtype, vocab,
                   hidden_size(model))  # fmt: skip
+
+
+def stem(model: nn.Module) -> int:
+    """How many of the first decoder layers are frozen with nothing trainable beneath them (the
+    embedding, an encoder): their K/V and states carry no gradient to any trainable parameter, so
+    the walk taps none of them and the reverse pass differentiates no layer below the first one
+    that trains. 0 when anything before the layers trains, or the model is shaped otherwise."""
+    lm = getattr(model, "language_model", model)
+    inner = getattr(lm, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        return 0
+    counts = [len(tree_flatten(layer.trainable_parameters())) for layer in layers]
+    after = 0  # trainable arrays the layers' output alone reaches: the final norm, an untied head
+    if getattr(inner, "norm", None) is not None:
+        after += len(tree_flatten(inner.norm.trainable_parameters()))
+    if not getattr(getattr(lm, "args", None), "tie_word_embeddings", True):
+        after += len(tree_flatten(getattr(lm, "lm_head", nn.Module()).trainable_parameters()))
+    if len(tree_flatten(model.trainable_parameters())) != sum(counts) + after:
+        return 0  # something beneath the layers trains (the embedding, a vision tower)
+    # The last layer is always differentiated: the reverse pass starts from its output.
+    return min(next((i for i, n in enumerate(counts) if n), len(counts)), len(counts) - 1)
 
 
 def hidden_size(model: nn.Module) -> int:

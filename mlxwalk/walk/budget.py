@@ -132,10 +132,11 @@ def estimate(
     )
 
 
-def inputs_bytes(layout, plan) -> int:
-    """The decoder layers' inputs (and the last one's output) over every decoded chunk."""
+def inputs_bytes(layout, plan, stem: int = 0) -> int:
+    """The inputs of the decoder layers above the stem (and the last one's output) over every
+    decoded chunk."""
     decoded = plan.chunks[-1].start  # the last chunk is not decoded
-    return (len(layout.kinds) + 1) * layout.hidden * decoded * layout.dtype.size
+    return (len(layout.kinds) - stem + 1) * layout.hidden * decoded * layout.dtype.size
 
 
 def what_fits(layout, cache_type: str) -> str:

@@ -54,7 +54,7 @@ class ExactWalk(ChunkRunner):
         return plan_window(
             self.window.weights.tolist(),
             self.config.chunk,
-            self.layout.footprint(),
+            self.layout.footprint(self.stem),
             horizon=self.config.horizon,
             host_budget=host_budget,
             accumulator_element_bytes=ACCUMULATOR_DTYPES[self.config.accumulator_dtype].size,
@@ -105,7 +105,7 @@ class ExactWalk(ChunkRunner):
         """The estimate for `plan`, with whatever else MLX holds now beyond the model's weights and
         the adapter's share (arrays the walk can't know of count against the budget too)."""
         est = budget.estimate(self.model, self.layout, self.acts, plan, self.config.cache_type)
-        inputs = budget.inputs_bytes(self.layout, plan) if self.keep else 0
+        inputs = budget.inputs_bytes(self.layout, plan, self.stem) if self.keep else 0
         resident = max(0, mx.get_active_memory() - est.weights - est.adapter)
         return replace(est, resident=resident, inputs=inputs)
 
@@ -163,7 +163,7 @@ class ExactWalk(ChunkRunner):
         if self.estimate is not None and not mx.cuda.is_available():
             limit = mx.set_memory_limit(self.config.device_budget)
         try:
-            with walking(self.model, self.config.recompute):
+            with walking(self.model, self.config.recompute, self.stem):
                 self.decode_forward()
                 return self.reverse()
         finally:
@@ -203,8 +203,10 @@ class ExactWalk(ChunkRunner):
         return state
 
     def reverse(self) -> tuple[mx.array, dict]:
+        lay = self.layout
+        tapped = [i >= self.stem for i in lay.attention]
         acc = Accumulators(
-            list(self.layout.kv_shapes), self.plan.computed, self.config.accumulator_dtype
+            list(lay.kv_shapes), self.plan.computed, self.config.accumulator_dtype, tapped
         )
         loss = mx.array(0.0)
         order = self.plan.reverse()

@@ -38,9 +38,9 @@ def _zeros(shape: tuple[int, ...]) -> mx.array:
 
 
 @contextmanager
-def walking(model: nn.Module, recompute: bool) -> Iterator[None]:
+def walking(model: nn.Module, recompute: bool, stem: int = 0) -> Iterator[None]:
     """The model as the walk runs it: taps through every layer, the chunked delta rule."""
-    with walk_layers(model, recompute), fast_recurrence(model), tiled_attention(model):
+    with walk_layers(model, recompute, stem), fast_recurrence(model), tiled_attention(model):
         yield
 
 
@@ -55,6 +55,7 @@ class ChunkRunner:
         check_ids(window, self.layout.vocab)
         check_cache_type(self.config.cache_type, self.layout.head_dims)
         self.head = arch.head(model)
+        self.stem = arch.stem(model)  # the frozen layers the reverse pass never differentiates
         self.store: KVStore | None = None
         self.seed = self._dropout_seed()
         self.on_chunk: Callable[[str, int, int], None] | None = None  # (phase, done, of)
@@ -108,19 +109,22 @@ class ChunkRunner:
         """One cache per layer for `chunk`; taps on [grad_from, start) and, if asked, the state."""
         out, a, r, dtype = [], 0, 0, self.layout.dtype
         s = chunk.start
-        for kind in self.layout.kinds:
+        for i, kind in enumerate(self.layout.kinds):
+            graded = i >= self.stem  # below the stem's top nothing trains: no taps, no adjoint
             if kind == "attention":
                 prefix = Prefix(self.store, a, s, dtype) if s > 0 else None
                 taps = None
-                if grad_from is not None and grad_from < s:
+                if graded and grad_from is not None and grad_from < s:
                     h, dk, dv = self.layout.kv_shapes[a]
                     taps = (_zeros((1, h, s - grad_from, dk)), _zeros((1, h, s - grad_from, dv)))
-                adjoint = acc.adjoint(a, s, chunk.end) if acc is not None else None
+                adjoint = acc.adjoint(a, s, chunk.end) if graded and acc is not None else None
                 out.append(ChunkKV(s, prefix, grad_from, taps, adjoint, self.config.attention))
                 a += 1
             else:
-                adjoint = acc.state[r] if acc is not None and acc.state is not None else None
-                out.append(ChunkState(entry[r], tapped=tap_state, adjoint=adjoint))
+                adjoint = None
+                if graded and acc is not None and acc.state is not None:
+                    adjoint = acc.state[r]
+                out.append(ChunkState(entry[r], tapped=graded and tap_state, adjoint=adjoint))
                 r += 1
         return out
 

@@ -188,6 +188,7 @@ _recording: list[LayerCall] | None = None
 _eager = False
 _keeping: list[mx.array] | None = None  # the decode: each layer's input, then the last output
 _replaying: list[mx.array] | None = None  # the reverse: those inputs, handed back in order
+_stem: set[int] = set()  # ids of the frozen layers beneath every trainable one (arch.stem)
 
 
 @contextmanager
@@ -269,20 +270,24 @@ def _walk_class(base: type, recompute: bool) -> type:
         cache = _find_cache(args, kwargs)
         if cache is None:
             return call(self, x, *args, **kwargs)
+        frozen = id(self) in _stem  # never differentiated: neither kept nor recorded
         if _replaying is not None:
             x, y = _replaying[0], _replaying[1]
             del _replaying[0]
-            _recording.append(LayerCall(self, call, x, y, args, kwargs, cache))
+            if not frozen:
+                _recording.append(LayerCall(self, call, x, y, args, kwargs, cache))
             return y
         if _keeping is not None:
-            _keeping[-1:] = [x]  # (the previous layer's output, when it is this one's input)
+            # (the previous layer's output, when it is this one's input)
+            _keeping[-1:] = [None if frozen else x]
         if _eager:
             y = call(self, x, *args, **kwargs)
             mx.eval(y)  # one layer's graph at a time
         elif _recording is not None:
             y = call(self, x, *args, **kwargs)
             mx.eval(x, y)  # one layer at a time: its graph is freed before the next is built
-            _recording.append(LayerCall(self, call, x, y, args, kwargs, cache))
+            if not frozen:
+                _recording.append(LayerCall(self, call, x, y, args, kwargs, cache))
         elif not recompute or _keeping is not None:  # the taps are bound and in the graph
             y = call(self, x, *args, **kwargs)
             cache.surrogate_value = cache.surrogate()
@@ -309,14 +314,18 @@ def _walk_class(base: type, recompute: bool) -> type:
 
 
 @contextmanager
-def walk_layers(model: nn.Module, recompute: bool = False) -> Iterator[None]:
-    """Within the block, the model's decoder layers take their taps as inputs (see module doc)."""
+def walk_layers(model: nn.Module, recompute: bool = False, stem: int = 0) -> Iterator[None]:
+    """Within the block, the model's decoder layers take their taps as inputs (see module doc);
+    the first `stem` of them (arch.stem) are run but never recorded or kept."""
     layers = list(model.layers)
     bases = [layer.__class__ for layer in layers]
+    frozen = {id(layer) for layer in layers[:stem]}
     try:
         for layer, base in zip(layers, bases):
             layer.__class__ = _walk_class(base, recompute)
+        _stem.update(frozen)
         yield
     finally:
+        _stem.difference_update(frozen)
         for layer, base in zip(layers, bases):
             layer.__class__ = base
