@@ -158,9 +158,11 @@ def measure_step(
 
 
 def fits(model, kind: str, window: int, config: WalkConfig, cap_mib: float) -> bool:
-    """Whether one step at `window` runs with a measured peak under the cap (MLX held to it)."""
+    """Whether one step at `window` runs with a measured peak under the cap (MLX held to it,
+    except on CUDA, where a limit only makes the allocator hand buffers back: see ExactWalk.run).
+    """
     try:
-        with memory_limit(cap_mib), stepping(model, kind):
+        with memory_limit(None if mx.cuda.is_available() else cap_mib), stepping(model, kind):
             run = step_for(model, kind, window, config)
             mx.clear_cache()
             mx.reset_peak_memory()
@@ -253,6 +255,12 @@ SHAPES = {
         linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
         rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
                          "partial_rotary_factor": 0.25},
+    ),
+    "llama3-8b": dict(
+        model_type="llama", hidden_size=4096, num_hidden_layers=32, intermediate_size=14336,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+        rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072,
+        tie_word_embeddings=False,
     ),
     "qwen3_5-27b": dict(
         model_type="qwen3_5", hidden_size=5120, num_hidden_layers=64, intermediate_size=17408,

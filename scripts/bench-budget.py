@@ -54,7 +54,8 @@ def one(model, optimizer, window: Window, config: WalkConfig) -> dict:
     optimizer.update(model, grads)
     mx.eval(model.parameters(), optimizer.state)
     seconds = time.perf_counter() - t
-    peak = max(mx.get_peak_memory(), max(v for v in phases.values()) * GIB)
+    phase_seconds = phases.pop("seconds")
+    peak = max(mx.get_peak_memory(), max(phases.values()) * GIB)
     return {
         **row,
         "verdict": "ran",
@@ -78,24 +79,30 @@ def one(model, optimizer, window: Window, config: WalkConfig) -> dict:
         "seconds": round(seconds, 1),
         "tok_s": round(len(window) / seconds),
         "phases_gib": phases,
+        "phase_seconds": phase_seconds,
     }
 
 
 def watch_phases(walk) -> dict:
     """The peak of each phase (the decode, then each reverse chunk), recorded as the walk runs."""
     phases: dict = {}
+    seconds = phases.setdefault("seconds", {})
     decode, train_chunk = walk.decode_forward, walk.train_chunk
 
     def timed_decode():
         mx.reset_peak_memory()
+        t = time.perf_counter()
         decode()
         phases["decode"] = round(mx.get_peak_memory() / GIB, 2)
         phases["after decode (active)"] = round(mx.get_active_memory() / GIB, 2)
+        seconds["decode"] = round(time.perf_counter() - t, 1)
 
     def timed_chunk(chunk, acc):
         mx.reset_peak_memory()
+        t = time.perf_counter()
         out = train_chunk(chunk, acc)
         phases[f"chunk {chunk.index}"] = round(mx.get_peak_memory() / GIB, 2)
+        seconds[f"chunk {chunk.index}"] = round(time.perf_counter() - t, 2)
         return out
 
     walk.decode_forward, walk.train_chunk = timed_decode, timed_chunk
@@ -111,14 +118,21 @@ def main() -> None:
     p.add_argument("--recompute", action="store_true")
     p.add_argument("--cache-type", default="bfloat16")
     p.add_argument("--budgets-gib", type=float, nargs="+", default=[31.0])
+    p.add_argument(
+        "--attention",
+        nargs="+",
+        default=["auto"],
+        help="one row per budget and attention path (auto, tiled, ...)",
+    )
+    p.add_argument("--keep-inputs", default="off", choices=["auto", "on", "off"])
     p.add_argument("--small", action="store_true")
     a = p.parse_args()
     t = time.perf_counter()
     model, n = bench.shaped(a.shape, a.small, a.bits or None)
     print(f"# {a.shape}{' (small)' if a.small else ''}, {n / 1e9:.2f}B parameters, "
-          f"{a.bits or 16}-bit base, built in {time.perf_counter() - t:.0f} s, weights "
+          f"{a.bits or 16}-bit base, stem {arch.stem(model)} layers, built in {time.perf_counter() - t:.0f} s, weights "
           f"{mx.get_active_memory() / GIB:.2f} GiB; window {a.window}, chunk {a.chunk}, "
-          f"recompute {a.recompute}, cache {a.cache_type}; mlx {mx.__version__} on "
+          f"recompute {a.recompute}, keep inputs {a.keep_inputs}, cache {a.cache_type}; mlx {mx.__version__} on "
           f"{mx.default_device()}, {platform.node()}", flush=True)  # fmt: skip
     vocab = arch.inspect(model).vocab
     ids = np.random.default_rng(a.window).integers(0, vocab, a.window + 1)
@@ -128,10 +142,13 @@ def main() -> None:
     rows = []
     print("| budget GiB | verdict | estimate GiB | peak GiB | peak / budget | horizon used | "
           "stride | seconds |\n|---:|---|---:|---:|---:|---:|---:|---:|", flush=True)  # fmt: skip
-    for gib in a.budgets_gib:
+    for attention, gib in [(at, g) for at in a.attention for g in a.budgets_gib]:
         config = WalkConfig(chunk=a.chunk, cache_type=a.cache_type, recompute=a.recompute,
-                            memory_budget_mib=gib * 1024 if gib else None)  # fmt: skip
+                            memory_budget_mib=gib * 1024 if gib else None, attention=attention,
+                            keep_inputs=a.keep_inputs)  # fmt: skip
+        print(f"attention {attention}:", flush=True)
         r = one(model, optimizer, window, config)
+        r["attention"] = attention
         rows.append(r)
         if r["verdict"] == "refused":
             print(f"| {r['budget_gib']} | refused | | | | | | {r['seconds']} |\n  {r['message']}",
@@ -141,7 +158,8 @@ def main() -> None:
                   f"{r['peak_gib']} | {r['peak_over_budget'] or '-'} | {r['horizon_used']} | "
                   f"{r['stride']} | {r['seconds']} |", flush=True)  # fmt: skip
             print(f"  estimate at the horizon used: {r['estimate_used_gib']} GiB; parts "
-                  f"{r['parts_gib']}\n  peaks by phase (GiB): {r['phases_gib']}",
+                  f"{r['parts_gib']}\n  peaks by phase (GiB): {r['phases_gib']}\n  seconds by "
+                  f"phase: {r['phase_seconds']}",
                   flush=True)  # fmt: skip
     if out := os.environ.get("OUT"):
         (Path(out) / "budget.json").write_text(json.dumps(rows, indent=2))

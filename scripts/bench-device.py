@@ -17,6 +17,7 @@ import platform
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,6 +68,16 @@ def steps(model, kinds, windows, config, repeats, name, skip, limit_gib=None):
     return rows
 
 
+def tried(model, kind: str, window: int, config, cap_mib: float) -> bool:
+    """bench.fits, with each window's verdict, peak and seconds printed as it is tried."""
+    t = time.perf_counter()
+    ok = bench.fits(model, kind, window, config, cap_mib)
+    print(f"  {kind} at {window}: {'fits' if ok else 'does not fit'} (peak "
+          f"{mx.get_peak_memory() / 2**30:.2f} GiB, {time.perf_counter() - t:.0f} s)",
+          flush=True)  # fmt: skip
+    return ok
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("what", choices=["check", "attention", "hybrid", "bisect"])
@@ -84,6 +95,14 @@ def main() -> int:
                    help="with --recompute: layer inputs kept from the decode")  # fmt: skip
     p.add_argument("--delta-chunk", type=int, help="the delta rule's chunk (default: by backend)")
     p.add_argument("--limit-gib", type=float, help="the walks run with MLX held to this limit")
+    p.add_argument("--bits", type=int, default=0, help="bisect: quantize the base (0 = bf16)")
+    p.add_argument("--min-window", type=int, help="bisect: the first window tried (default: chunk)")
+    p.add_argument("--cache-type", default="bfloat16")
+    p.add_argument(
+        "--budget",
+        action="store_true",
+        help="bisect: the walks run under --memory-budget-mib = the cap, strict exact",
+    )
     p.add_argument("--small", action="store_true")
     a = p.parse_args()
     if a.what == "check":
@@ -100,7 +119,7 @@ def main() -> int:
     delta.CHUNK = a.delta_chunk
     config = WalkConfig(
         chunk=a.chunk,
-        cache_type="bfloat16",
+        cache_type=a.cache_type,
         attention=a.attention,
         recompute=a.recompute,
         keep_inputs=a.keep_inputs,
@@ -125,16 +144,20 @@ def main() -> int:
                       config, a.repeats, "hybrid-walk", {})  # fmt: skip
         save("hybrid", [r.as_dict() for r in rows])
     else:
-        model, n = bench.shaped(a.model, a.small)
-        header(f"largest window under {a.cap_gib} GiB, {a.model}, {n / 1e6:.0f}M parameters, "
-               f"steps of {a.chunk} (the walks' chunk)")  # fmt: skip
+        model, n = bench.shaped(a.model, a.small, a.bits or None)
         cap = a.cap_gib * 1024
+        if a.budget:
+            config = replace(config, memory_budget_mib=cap, strict_exact=True)
+        header(f"largest window under {a.cap_gib} GiB, {a.model}, {n / 1e6:.0f}M parameters, "
+               f"{a.bits or 16}-bit base, weights {mx.get_active_memory() / 2**30:.2f} GiB, "
+               f"steps of {a.chunk} (the walks' chunk), cache {a.cache_type}, recompute "
+               f"{a.recompute}, keep inputs {a.keep_inputs}, walks budgeted {a.budget}")  # fmt: skip
         found = {}
         for kind in a.kinds or ["mlx-lm", "mlx-lm+ckpt", "exact", "plain"]:
             t = time.perf_counter()
             found[kind] = bench.largest_window(
-                lambda w, k=kind: bench.fits(model, k, w, config, cap), a.chunk, a.max_window,
-                a.chunk,
+                lambda w, k=kind: tried(model, k, w, config, cap), a.min_window or a.chunk,
+                a.max_window, a.chunk,
             )  # fmt: skip
             print(f"| {kind} | {found[kind]} | ({time.perf_counter() - t:.0f} s)", flush=True)
             save("bisect", found)
