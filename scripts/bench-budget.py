@@ -129,11 +129,12 @@ def main() -> None:
     a = p.parse_args()
     t = time.perf_counter()
     model, n = bench.shaped(a.shape, a.small, a.bits or None)
+    built = time.perf_counter() - t
     print(f"# {a.shape}{' (small)' if a.small else ''}, {n / 1e9:.2f}B parameters, "
-          f"{a.bits or 16}-bit base, stem {arch.stem(model)} layers, built in {time.perf_counter() - t:.0f} s, weights "
-          f"{mx.get_active_memory() / GIB:.2f} GiB; window {a.window}, chunk {a.chunk}, "
-          f"recompute {a.recompute}, keep inputs {a.keep_inputs}, cache {a.cache_type}; mlx {mx.__version__} on "
-          f"{mx.default_device()}, {platform.node()}", flush=True)  # fmt: skip
+          f"{a.bits or 16}-bit base, stem {arch.stem(model)} layers, built in {built:.0f} s, "
+          f"weights {mx.get_active_memory() / GIB:.2f} GiB; window {a.window}, chunk {a.chunk}, "
+          f"recompute {a.recompute}, keep inputs {a.keep_inputs}, cache {a.cache_type}; "
+          f"mlx {mx.__version__} on {mx.default_device()}, {platform.node()}", flush=True)  # fmt: skip
     vocab = arch.inspect(model).vocab
     ids = np.random.default_rng(a.window).integers(0, vocab, a.window + 1)
     window = Window.of(ids[:-1], ids[1:], np.ones(a.window))
