@@ -134,7 +134,8 @@ def main() -> None:
           f"{a.bits or 16}-bit base, stem {arch.stem(model)} layers, built in {built:.0f} s, "
           f"weights {mx.get_active_memory() / GIB:.2f} GiB; window {a.window}, chunk {a.chunk}, "
           f"recompute {a.recompute}, keep inputs {a.keep_inputs}, cache {a.cache_type}; "
-          f"mlx {mx.__version__} on {mx.default_device()}, {platform.node()}", flush=True)  # fmt: skip
+          f"mlx {mx.__version__} on {mx.default_device()}, {platform.node()}",
+          flush=True)  # fmt: skip
     vocab = arch.inspect(model).vocab
     ids = np.random.default_rng(a.window).integers(0, vocab, a.window + 1)
     window = Window.of(ids[:-1], ids[1:], np.ones(a.window))

@@ -151,7 +151,8 @@ def main() -> int:
         header(f"largest window under {a.cap_gib} GiB, {a.model}, {n / 1e6:.0f}M parameters, "
                f"{a.bits or 16}-bit base, weights {mx.get_active_memory() / 2**30:.2f} GiB, "
                f"steps of {a.chunk} (the walks' chunk), cache {a.cache_type}, recompute "
-               f"{a.recompute}, keep inputs {a.keep_inputs}, walks budgeted {a.budget}")  # fmt: skip
+               f"{a.recompute}, keep inputs {a.keep_inputs}, walks budgeted "
+               f"{a.budget}")  # fmt: skip
         found = {}
         for kind in a.kinds or ["mlx-lm", "mlx-lm+ckpt", "exact", "plain"]:
             t = time.perf_counter()
