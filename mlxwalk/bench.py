@@ -157,7 +157,9 @@ def measure_step(
     return Measure(kind, window, config.chunk, s, window / s, peak, over)
 
 
-def fits(model, kind: str, window: int, config: WalkConfig, cap_mib: float) -> bool:
+def fits(
+    model, kind: str, window: int, config: WalkConfig, cap_mib: float, why: list | None = None
+) -> bool:
     """Whether one step at `window` runs with a measured peak under the cap (MLX held to it,
     except on CUDA, where a limit only makes the allocator hand buffers back: see ExactWalk.run).
     """
@@ -168,7 +170,9 @@ def fits(model, kind: str, window: int, config: WalkConfig, cap_mib: float) -> b
             mx.reset_peak_memory()
             run()
         return mx.get_peak_memory() <= cap_mib * MIB
-    except (RuntimeError, MemoryError, ValueError):
+    except (RuntimeError, MemoryError, ValueError) as e:
+        if why is not None:
+            why.append(str(e).splitlines()[0])
         return False
     finally:
         mx.clear_cache()

@@ -71,10 +71,11 @@ def steps(model, kinds, windows, config, repeats, name, skip, limit_gib=None):
 def tried(model, kind: str, window: int, config, cap_mib: float) -> bool:
     """bench.fits, with each window's verdict, peak and seconds printed as it is tried."""
     t = time.perf_counter()
-    ok = bench.fits(model, kind, window, config, cap_mib)
+    why: list = []
+    ok = bench.fits(model, kind, window, config, cap_mib, why)
     print(f"  {kind} at {window}: {'fits' if ok else 'does not fit'} (peak "
-          f"{mx.get_peak_memory() / 2**30:.2f} GiB, {time.perf_counter() - t:.0f} s)",
-          flush=True)  # fmt: skip
+          f"{mx.get_peak_memory() / 2**30:.2f} GiB, {time.perf_counter() - t:.0f} s)"
+          + "".join(f"\n    {w}" for w in why), flush=True)  # fmt: skip
     return ok
 
 

@@ -85,10 +85,11 @@ class ExactWalk(ChunkRunner):
             if plan is not None:
                 self.plan, est = plan, self.measure(plan)
                 least = replace(est, graph=least.graph)
-        budget.admit(least, device, budget.what_fits(self.layout, self.config.cache_type))
         if self.keep and self.config.keep_inputs == "auto" and est.total > device:
             self.keep = False  # auto: the inputs are kept only where they fit with the rest
             est = self.measure(self.plan)
+            least = replace(est, graph=least.graph)
+        budget.admit(least, device, budget.what_fits(self.layout, self.config.cache_type))
         return est
 
     def refuse_floor(self, device: int) -> None:
@@ -221,13 +222,24 @@ class ExactWalk(ChunkRunner):
         caches = self.caches(
             chunk, self.entry_state(chunk), grad_from=gf, tap_state=chunk.index > 0, acc=acc
         )
-        loss, g_params, g_inputs = self.graph(chunk, caches)
+        kinds, sunk = self.layout.kinds, {}
+        slot = {layer: a for a, layer in enumerate(self.layout.attention)}
+
+        def sink(i: int, g: list) -> None:
+            release([caches[i]])  # its adjoint slice too, so the update reuses the buffer
+            if kinds[i] == "attention" and g:
+                acc.add_kv(gf, [g if a == slot[i] else None for a in range(len(slot))])
+            else:
+                sunk[i] = g
+
+        loss, g_params, g_inputs = self.graph(chunk, caches, sink)
         mx.eval(loss, g_params, g_inputs)
         release(caches)  # the adjoint slices too, so the updates below reuse the buffers
         self.kept.pop(chunk.index, None)  # trained: its inputs are read no more
-        kv = [g or None for kind, g in zip(self.layout.kinds, g_inputs) if kind == "attention"]
+        g_inputs = [sunk.get(i, g) for i, g in enumerate(g_inputs)]
+        kv = [g or None for kind, g in zip(kinds, g_inputs) if kind == "attention"]
         acc.add_kv(gf, kv)
-        states = [g for kind, g in zip(self.layout.kinds, g_inputs) if kind == "recurrent"]
+        states = [g for kind, g in zip(kinds, g_inputs) if kind == "recurrent"]
         acc.state = states if chunk.index > 0 and states else None
         acc.add_grads(g_params)
         mx.eval(acc.arrays())

@@ -12,6 +12,8 @@ every layer's forward graph alive.)
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import mlx.core as mx
 from mlx import nn
 from mlx.utils import tree_flatten, tree_map_with_path
@@ -22,11 +24,23 @@ from .taps import recording, replaying
 
 
 def gradient(
-    model: nn.Module, head: Head, caches: list, x, y, w, total: float, scored: bool, kept=None
+    model: nn.Module,
+    head: Head,
+    caches: list,
+    x,
+    y,
+    w,
+    total: float,
+    scored: bool,
+    kept=None,
+    sink: Callable[[int, list], None] | None = None,
 ):
     """(loss share, gradient in the model's trainable parameters, per cache its taps' gradient),
     as `mx.value_and_grad` of the chunk's objective would give them. With `kept` (each layer's
-    input from the chunk's decode, and the last layer's output), no layer runs forward first."""
+    input from the chunk's decode, and the last layer's output), no layer runs forward first.
+    With `sink`, each cache's taps' gradient goes to `sink(cache index, gradient)` as soon as its
+    layer is differentiated (and that cache is done with), not into the list returned: a chunk
+    then never holds more than one layer's."""
     for c in caches:
         c.bind(c.inputs())
     with recording() if kept is None else replaying(kept) as calls:
@@ -57,7 +71,10 @@ def gradient(
             call.layer.trainable_parameters(), call.x, call.cache.inputs(), dy
         )
         mx.eval(g_params, dy, g_taps)
-        g_inputs[index[id(call.cache)]] = g_taps
+        if sink is None:
+            g_inputs[index[id(call.cache)]] = g_taps
+        else:
+            sink(index[id(call.cache)], g_taps)
         collect(call.layer, g_params)
     grads = tree_map_with_path(lambda path, _: by_name[path], model.trainable_parameters())
     return loss, grads, g_inputs

@@ -138,14 +138,14 @@ class ChunkRunner:
         h = self.head.body(x, caches)
         return head_loss(self.head, h, y, w, total) if scored else mx.array(0.0)
 
-    def graph_by_layer(self, chunk: Chunk, caches: list):
+    def graph_by_layer(self, chunk: Chunk, caches: list, sink=None):
         """`graph` with recompute, one layer at a time (see layerwise.gradient)."""
         x, y, w = self.window.arrays(chunk.start, chunk.end)
         self._seed(chunk)
         scored = chunk.labelled
         kept = self.kept_inputs(chunk)
         return layerwise.gradient(self.model, self.head, caches, x, y, w, self.window.total, scored,
-                                  kept)  # fmt: skip
+                                  kept, sink)  # fmt: skip
 
     def kept_inputs(self, chunk: Chunk) -> list | None:
         """The chunk's layer inputs kept from its decode (ExactWalk), else None."""
@@ -174,10 +174,12 @@ class ChunkRunner:
         mx.eval(self.store.arrays())
         return exit_state
 
-    def graph(self, chunk: Chunk, caches: list):
-        """The chunk's loss share plus its surrogates, differentiated in the adapter and taps."""
+    def graph(self, chunk: Chunk, caches: list, sink=None):
+        """The chunk's loss share plus its surrogates, differentiated in the adapter and taps.
+        With recompute, `sink` takes each layer's taps' gradient as it comes (layerwise.gradient);
+        without, they all come back together, since the chunk is one graph."""
         if self.config.recompute and self.head is not None:
-            return self.graph_by_layer(chunk, caches)
+            return self.graph_by_layer(chunk, caches, sink)
         model = self.model
         x, y, w = self.window.arrays(chunk.start, chunk.end)
         self._seed(chunk)
