@@ -58,12 +58,10 @@ def _question(code: str) -> list[int]:
 def _fill(rng: np.random.Generator, length: int, decoys: float) -> list[int]:
     """Exactly `length` tokens of filler turns, the last cut to fit (spaces if under 9)."""
     turns: list[list[int]] = []
-    while True:
-        turn = _filler_turn(rng, decoys)
-        if sum(map(len, turns)) + len(turn) > length:
-            break
+    pad = length  # what the turns so far leave to fill
+    while len(turn := _filler_turn(rng, decoys)) <= pad:
         turns.append(turn)
-    pad = length - sum(map(len, turns))
+        pad -= len(turn)
     while 0 < pad < 9 and turns:  # too short for a turn (8 tokens of template): give one back
         pad += len(turns.pop())
     if pad >= 9:

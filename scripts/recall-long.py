@@ -36,11 +36,7 @@ import mlx.core as mx  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
 from mlxwalk import recall  # noqa: E402
-from mlxwalk.walk import WalkConfig, Window  # noqa: E402
-
-
-def window_of(data: dict, i: int) -> Window:
-    return Window.of(*(data[k][i] for k in ("inputs", "targets", "weights")))
+from mlxwalk.walk import WalkConfig  # noqa: E402
 
 
 def step_costs(a, data: dict) -> list[dict]:
@@ -50,36 +46,43 @@ def step_costs(a, data: dict) -> list[dict]:
         model = bench.build_model(0, a.width, a.layers)
         optimizer = bench.ClippedAdam(a.clip, learning_rate=a.lr)
         step = bench.make_step(trainer, model, optimizer, WalkConfig(chunk=a.chunk), a)
-        step(window_of(data, 0))  # warm-up: compiles and allocates
+        step(bench.window_of(data, 0))  # warm-up: compiles and allocates
         mx.reset_peak_memory()
         start = time.perf_counter()
         for i in range(1, a.timed + 1):
-            step(window_of(data, i))
+            step(bench.window_of(data, i))
         seconds = (time.perf_counter() - start) / a.timed
         rows.append({"trainer": trainer, "s": seconds, "peak": mx.get_peak_memory() / 2**20})
         print(f"  {trainer}: {seconds:.3f} s/window, peak {rows[-1]['peak']:.0f} MiB", flush=True)
     return rows
 
 
-def learn(a, train_set: dict, valid_set: dict) -> list[tuple[int, float, float, float]]:
-    """One graph for at most --budget-s seconds; (windows, seconds, accuracy, loss) per score."""
-    model = bench.build_model(0, a.width, a.layers)
-    steps = len(train_set["inputs"])
-    optimizer = bench.ClippedAdam(a.clip, learning_rate=bench.schedule(a.lr, steps, a.warmup))
-    step = bench.make_step("one-graph", model, optimizer, WalkConfig(chunk=a.chunk), a)
-    acc, loss, _ = bench.evaluate(model, valid_set, batch=a.eval_batch)
-    scores, start = [(0, 0.0, acc, loss)], time.perf_counter()
-    print(f"  one-graph 0 windows: acc {acc:.3f} loss {loss:.3f}", flush=True)
+def fit(a, trainer: str, model, lr, data: dict, valid: dict | None, budget_s: float) -> list:
+    """Train `model` on `data`'s windows in order, scoring on `valid` every --eval-every windows
+    and at the end; stop at the first score past `budget_s` seconds of training (scoring's time
+    and memory left out). Returns (windows, seconds, accuracy, loss) per score."""
+    optimizer = bench.ClippedAdam(a.clip, learning_rate=lr)
+    step = bench.make_step(trainer, model, optimizer, WalkConfig(chunk=a.chunk), a)
+    steps, scores, seconds, peak = len(data["inputs"]), [], 0.0, 0.0
+    if valid is not None:
+        scores.append((0, 0.0, *bench.evaluate(model, valid, batch=a.eval_batch)[:2]))
+    mx.reset_peak_memory()
     for i in range(steps):
-        step(window_of(train_set, i))
-        if (i + 1) % a.eval_every and i + 1 < steps:
+        start = time.perf_counter()
+        step(bench.window_of(data, i))
+        seconds += time.perf_counter() - start
+        if valid is None or ((i + 1) % a.eval_every and i + 1 < steps):
             continue
-        acc, loss, _ = bench.evaluate(model, valid_set, batch=a.eval_batch)
-        scores.append((i + 1, time.perf_counter() - start, acc, loss))
-        print(f"  one-graph {i + 1} windows ({scores[-1][1]:.0f} s): acc {acc:.3f} loss {loss:.3f}",
+        peak = max(peak, mx.get_peak_memory() / 2**20)
+        acc, loss, _ = bench.evaluate(model, valid, batch=a.eval_batch)
+        mx.reset_peak_memory()
+        scores.append((i + 1, seconds, acc, loss))
+        print(f"  {trainer} {i + 1} windows ({seconds:.0f} s): acc {acc:.3f} loss {loss:.3f}",
               flush=True)  # fmt: skip
-        if scores[-1][1] > a.budget_s:
+        if seconds > budget_s:
             break
+    if valid is not None:
+        print(f"  {trainer}: training's peak {peak:.0f} MiB", flush=True)
     return scores
 
 
@@ -88,10 +91,8 @@ def pretrain(a) -> list:
     the weights a long-window run starts from, as a user's pretrained model would."""
     model = bench.build_model(0, a.width, a.layers)
     short = recall.dataset(1, a.pretrain, recall.WINDOW, recall.CHUNK, a.decoys)
-    optimizer = bench.ClippedAdam(a.clip, learning_rate=bench.schedule(a.lr, a.pretrain, a.warmup))
-    step = bench.make_step("one-graph", model, optimizer, WalkConfig(chunk=recall.CHUNK), a)
-    for i in range(a.pretrain):
-        step(window_of(short, i))
+    lr = bench.schedule(a.lr, a.pretrain, a.warmup)
+    fit(a, "one-graph", model, lr, short, None, float("inf"))  # one graph: the chunk is unused
     valid = recall.dataset(bench.VALID_SEED, 256, recall.WINDOW, recall.CHUNK, a.decoys)
     acc, loss, _ = bench.evaluate(model, valid)
     print(f"  pretrained on {a.pretrain} windows of {recall.WINDOW}: held-out accuracy there "
@@ -100,31 +101,13 @@ def pretrain(a) -> list:
 
 
 def compare(a, weights: list, train_set: dict, valid_set: dict) -> dict:
-    """Each trainer from the same pretrained weights at the long window; scores per --eval-every
-    windows (windows, seconds, accuracy, loss)."""
+    """Each trainer from the same pretrained weights at the long window, at a constant learning
+    rate (fine-tuning: no warmup)."""
     runs = {}
     for trainer in ("one-graph", "exact", "plain"):
         model = bench.build_model(0, a.width, a.layers)
         model.load_weights(weights)
-        steps = len(train_set["inputs"])
-        optimizer = bench.ClippedAdam(a.clip, learning_rate=a.lr)  # no warmup: fine-tuning
-        step = bench.make_step(trainer, model, optimizer, WalkConfig(chunk=a.chunk), a)
-        acc, loss, _ = bench.evaluate(model, valid_set, batch=a.eval_batch)
-        runs[trainer], start, peak = [(0, 0.0, acc, loss)], time.perf_counter(), 0.0
-        mx.reset_peak_memory()
-        for i in range(steps):
-            step(window_of(train_set, i))
-            if (i + 1) % a.eval_every and i + 1 < steps:
-                continue
-            seconds = time.perf_counter() - start  # scoring's time and memory left out
-            peak = max(peak, mx.get_peak_memory() / 2**20)
-            acc, loss, _ = bench.evaluate(model, valid_set, batch=a.eval_batch)
-            start += time.perf_counter() - start - seconds
-            mx.reset_peak_memory()
-            runs[trainer].append((i + 1, seconds, acc, loss))
-            print(f"  {trainer} {i + 1} windows ({seconds:.0f} s): acc {acc:.3f} loss {loss:.3f}",
-                  flush=True)  # fmt: skip
-        print(f"  {trainer}: training's peak {peak:.0f} MiB", flush=True)
+        runs[trainer] = fit(a, trainer, model, a.lr, train_set, valid_set, float("inf"))
     return runs
 
 
@@ -168,7 +151,9 @@ def main(argv: list[str] | None = None) -> int:
             for n, s, acc, loss in scores:
                 print(f"| {trainer} | {n} | {s:.0f} | {acc:.3f} | {loss:.3f} |")
         return 0
-    scores = learn(a, train_set, valid_set)
+    model = bench.build_model(0, a.width, a.layers)
+    lr = bench.schedule(a.lr, len(train_set["inputs"]), a.warmup)
+    scores = fit(a, "one-graph", model, lr, train_set, valid_set, a.budget_s)
     print("\n| trainer | s/window | peak MiB |\n|---|---:|---:|")
     for r in costs:
         print(f"| {r['trainer']} | {r['s']:.3f} | {r['peak']:.0f} |")

@@ -46,6 +46,7 @@ from mlx.utils import tree_flatten  # noqa: E402
 
 import mlxwalk  # noqa: E402, F401  (OpenBLAS for MLX's CPU GEMMs)
 from mlxwalk import recall  # noqa: E402
+from mlxwalk.training import files  # noqa: E402
 from mlxwalk.walk import WalkConfig, Window  # noqa: E402
 from mlxwalk.walk.api import apply_step, one_graph, train_window  # noqa: E402
 
@@ -83,6 +84,11 @@ def build_model(seed: int, width: int, layers: int, tied: bool = False):
     mx.eval(model.parameters())
     model.unfreeze()
     return model
+
+
+def window_of(data: dict, i: int) -> Window:
+    """Conversation `i` of a `recall.dataset` as a window."""
+    return Window.of(*(data[k][i] for k in ("inputs", "targets", "weights")))
 
 
 def evaluate(model, data: dict, batch: int = 32) -> tuple[float, float, float]:
@@ -139,9 +145,7 @@ def train(trainer: str, seed: int, train_set: dict, valid_set: dict, a) -> dict:
         mx.reset_peak_memory()
         start, train_loss = time.perf_counter(), 0.0
         for i in order.permutation(len(train_set["inputs"])):
-            train_loss += step(
-                Window.of(*(train_set[k][i] for k in ("inputs", "targets", "weights")))
-            )
+            train_loss += step(window_of(train_set, int(i)))
         seconds = time.perf_counter() - start
         peak = mx.get_peak_memory() / 2**20
         acc, loss, stated = evaluate(model, valid_set)
@@ -243,8 +247,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     ax.set_xticks(range(max(r["epoch"] for r in rows) + 1))
     ax.legend(loc="best")
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    files.atomic_write(Path(path), lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -353,8 +356,7 @@ def write(a, runs: list[dict], skipped: dict, rows: list[dict] | None = None) ->
         "summary": rows,
         "skipped": skipped,
     }
-    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.json).write_text(json.dumps(out, indent=1))
+    files.write_text(Path(a.json), json.dumps(out, indent=1))  # whole or not at all
 
 
 PEER_SITE = ROOT / "runs" / "peer" / "site"
