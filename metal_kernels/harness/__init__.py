@@ -2,9 +2,11 @@
 own signature and template instantiation), g++ compiles it as C++ against `metal.h`, and every
 threadgroup's threads run concurrently, one threadgroup at a time.
 
-What this checks: the kernel bodies' arithmetic, indexing, masking, barriers and simdgroup
-exchanges, through the very source MLX would hand to Metal. What it cannot: Metal's compiler,
-an Apple GPU's scheduling, and speed.
+What this checks: the kernel bodies' arithmetic, indexing, masking, barriers, simdgroup
+exchanges and simdgroup matrices (Apple's lane layout), through the very source MLX would hand
+to Metal; with libclang installed, that no pointer crosses Metal's address spaces
+(`check_address_spaces`); on request, each call's memory traffic (`run(call, counters=True)`).
+What it cannot: Metal's compiler, an Apple GPU's scheduling, and speed.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import re
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Literal, overload
 
 import mlx.core as mx
 import numpy as np
@@ -26,6 +29,22 @@ HEADER = Path(__file__).resolve().parent / "metal.h"
 CACHE = Path(
     os.environ.get("MLXWALK_HARNESS_CACHE", Path(tempfile.gettempdir()) / "mlxwalk-harness")
 )
+# What `run(call, counters=True)` returns, in runtime.h's order (enum Count).
+COUNTERS = ("device_read_bytes", "device_write_bytes", "threadgroup_read_bytes",
+            "threadgroup_write_bytes", "mma", "barriers", "simdgroup_barriers",
+            "threadgroup_memory_bytes")  # fmt: skip
+THREADGROUP_MEMORY = 32768  # bytes of threadgroup memory a threadgroup has on Apple GPUs
+NO_CLANG = "libclang is not installed: pip install -e '.[test]'"
+
+try:
+    from clang import cindex
+except ImportError:  # the address-space check is then skipped
+    cindex = None
+HAS_CLANG = cindex is not None
+
+
+class AddressSpaceError(RuntimeError):
+    """A kernel moves a pointer across Metal's address spaces: Metal's compiler would refuse it."""
 
 
 def render(call: Launch) -> str:
@@ -66,47 +85,129 @@ def _parameters(source: str) -> tuple[str, str, list[tuple[str, str]]]:
     return head.group(1), inst.group(1) if inst else "", params
 
 
-def _cpp(call: Launch, source: str) -> str:
-    """The translation unit: metal.h, MLX's source (the kernel's header included), a launcher."""
+# `threadgroup T name[...];` (or a scalar): storage the whole group shares. Made function-static
+# (one threadgroup runs at a time) and registered (HARNESS_THREADGROUP, metal.h). A `threadgroup`
+# pointer (`threadgroup half* p = ...`) is a plain local and stays as it is.
+_SHARED = re.compile(
+    r"^([ \t]*)threadgroup\s+([\w:]+(?:\s*<[^;<>]*>)?)\s+(\w+)((?:\s*\[[^\]\n]*\])*)\s*;", re.M
+)
+_UNSHARED = re.compile(r"^[ \t]*threadgroup\s+[\w:<>, ]+?\s+\w+\s*[\[;,=]", re.M)
+
+
+def _unit_source(call: Launch, source: str) -> str:
+    """MLX's source made compilable by either build: the instantiation line dropped (each build
+    instantiates the kernel itself), `threadgroup` storage made static."""
+    unit = re.sub(r"^template \[\[host_name.*$", "", source, flags=re.M)
+    unit = _SHARED.sub(r"\1static threadgroup \2 \3\4; HARNESS_THREADGROUP(\3);", unit)
+    left = _UNSHARED.search(unit)
+    if left:  # would silently become one array per thread
+        raise ValueError(
+            f"{call.spec.name}: the harness takes one threadgroup variable per declaration, on "
+            f"one line: {left.group(0).strip()}"
+        )
+    return unit
+
+
+def _argument(kind: str, name: str, b: int) -> str:
+    if "atomic<" in kind:
+        raise NotImplementedError(f"the harness has no atomic outputs ({name})")
+    if kind.endswith("&"):  # a 0-d input: MLX passes `const constant T&`
+        return f"*({kind[:-1]}*)buf[{b}]"
+    return f"({kind})buf[{b}]"
+
+
+def _cpp(call: Launch, source: str, counting: bool) -> str:
+    """The g++ translation unit: metal.h, MLX's source (the kernel's header included), a
+    launcher. `counting`: the build whose memory accesses are counted."""
     fn, targs, params = _parameters(source)
-    unit = re.sub(r"^template \[\[host_name.*$", "", source, flags=re.M)  # the launcher's instead
-    # a `threadgroup` declaration is storage the group shares; the word elsewhere is a qualifier
-    unit = re.sub(r"^(\s*)threadgroup(\s+\w+\s+\w+\s*\[)", r"\1static\2", unit, flags=re.M)
     args, b = [], 0
     for kind, name in params:
-        if "*" in kind:
-            args.append(f"({kind})buf[{b}]")
+        if "*" in kind or kind.endswith("&"):
+            args.append(_argument(kind, name, b))
             b += 1
         else:
             args.append(f"p.{name}")
     call_expr = f"{fn}<{targs}>" if targs else fn
     return (
-        f'#include "{HEADER}"\n{unit}\n'
-        'extern "C" int mlxwalk_launch(void** buf, const uint* grid, const uint* tg) {\n'
+        ("#define HARNESS_COUNT_MEMORY 1\n" if counting else "")
+        + f'#include "{HEADER}"\n{_unit_source(call, source)}\n'
+        + 'extern "C" __attribute__((visibility("default")))\n'
+        "int mlxwalk_launch(void** buf, const unsigned long* bytes, int n,\n"
+        "                   const uint* grid, const uint* tg, long long* counts) {\n"
+        "  harness::set_buffers(buf, bytes, n);\n"
         "  return harness::run(grid, tg, [&](const harness::Pos& p) {\n"
         f"    {call_expr}({', '.join(args)});\n"
-        "  });\n"
+        "  }, counts);\n"
         "}\n"
     )
 
 
-def compile_call(call: Launch) -> ctypes.CDLL:
-    """The call's kernel as a shared library (cached by its source)."""
-    unit = _cpp(call, render(call))
-    digest = hashlib.sha256((unit + HEADER.read_text()).encode()).hexdigest()[:16]
+def _headers() -> str:
+    return "".join(p.read_text() for p in sorted(HEADER.parent.glob("*.h")))
+
+
+def check_address_spaces(call: Launch, source: str | None = None) -> None:
+    """Parse the call's kernel with clang, Metal's address spaces as clang's (`device` 1,
+    `constant` 2, `threadgroup` 3, `thread` the default), and raise AddressSpaceError with
+    clang's errors if it is refused: a pointer crossing address spaces, as Metal's compiler would
+    refuse it. Needs libclang (`HAS_CLANG`); `source` defaults to `render(call)`."""
+    if cindex is None:
+        raise RuntimeError(NO_CLANG)
+    source = render(call) if source is None else source
+    fn, targs, _ = _parameters(source)
+    unit = (
+        f'#define HARNESS_SPACES 1\n#include "{HEADER}"\n{_unit_source(call, source)}\n'
+        f"auto harness_instance = &{fn}{f'<{targs}>' if targs else ''};\n"
+    )
+    path = f"{call.spec.name}.cpp"
+    flags = ["-x", "c++", "-std=c++17", "-nostdinc", "-nostdinc++", "--target=x86_64-linux-gnu",
+             "-Wno-unknown-attributes", "-Wno-ignored-attributes", "-ferror-limit=10"]  # fmt: skip
+    tu = cindex.Index.create().parse(path, args=flags, unsaved_files=[(path, unit)])
+    errors = [d for d in tu.diagnostics if d.severity >= cindex.Diagnostic.Error]
+    if errors:
+        lines = [f"{d.location.line}: {d.spelling}" for d in errors]
+        raise AddressSpaceError(
+            f"{call.spec.name}: refused with Metal's address spaces:\n" + "\n".join(lines)
+        )
+
+
+def compile_call(call: Launch, counting: bool = False, check: bool = True) -> ctypes.CDLL:
+    """The call's kernel as a shared library (cached by its source). Before the first build of a
+    source, `check` runs `check_address_spaces` where libclang is installed. `counting`: the
+    build that counts memory traffic (compiled with -fsanitize=thread's hooks, see runtime.h)."""
+    return _compile(call, render(call), counting, check)
+
+
+def _compile(call: Launch, source: str, counting: bool, check: bool = True) -> ctypes.CDLL:
+    unit = _cpp(call, source, counting)
+    digest = hashlib.sha256((unit + _headers()).encode()).hexdigest()[:16]
     CACHE.mkdir(parents=True, exist_ok=True)
     lib = CACHE / f"{call.spec.name}-{digest}.so"
     if not lib.exists():
-        src = CACHE / f"{call.spec.name}-{digest}.cpp"
+        if check and HAS_CLANG:
+            check_address_spaces(call, source)
+        src = lib.with_suffix(".cpp")
         src.write_text(unit)
         tmp = lib.with_suffix(f".{os.getpid()}.tmp")
-        cmd = ["g++", "-std=c++17", "-O1", "-pthread", "-shared", "-fPIC", "-Wno-attributes",
-               "-o", str(tmp), str(src)]  # fmt: skip
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode:
-            raise RuntimeError(f"{call.spec.name}: g++ failed:\n{done.stderr[-4000:]}")
+        # hidden: each library keeps its own statics (default-visibility `inline` and template
+        # statics would be bound process-wide, one kernel's to another's)
+        flags = ["-std=c++17", "-O1", "-pthread", "-fPIC", "-fvisibility=hidden", "-Wno-attributes"]
+        if counting:  # instrumented, then linked without the sanitizer's runtime
+            obj = lib.with_suffix(f".{os.getpid()}.o")
+            instrument = ["-fsanitize=thread", "--param=tsan-instrument-func-entry-exit=0"]
+            _gxx([*flags, *instrument, "-c", "-o", str(obj), str(src)], call)
+            _gxx(["-shared", "-pthread", "-o", str(tmp), str(obj)], call)
+            obj.unlink()
+        else:
+            _gxx([*flags, "-shared", "-o", str(tmp), str(src)], call)
         tmp.rename(lib)
     return ctypes.CDLL(str(lib))
+
+
+def _gxx(args: list[str], call: Launch) -> None:
+    done = subprocess.run(["g++", *args], capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"{call.spec.name}: g++ failed:\n{done.stderr[-4000:]}")
 
 
 def _host(a: mx.array) -> np.ndarray:
@@ -115,20 +216,50 @@ def _host(a: mx.array) -> np.ndarray:
     return np.ascontiguousarray(np.array(a))
 
 
-def run(call: Launch) -> list[np.ndarray]:
-    """Run the call's Metal kernel on the CPU; outputs start as NaN so unwritten ones show."""
-    lib = compile_call(call)
-    inputs = [_host(a) for a in call.inputs]
-    outputs = [np.full(s, np.nan, dtype=np.float32) for s in call.output_shapes]
+def _buffers(call: Launch, source: str, outputs: list[np.ndarray]) -> list[np.ndarray]:
+    """The buffers in the order of the signature's pointer and reference parameters: inputs,
+    their `_shape`, `_strides`, `_ndim` where the body names them, outputs."""
+    named = dict(zip(call.spec.inputs, (_host(a) for a in call.inputs)))
+    named.update(zip(call.spec.outputs, outputs))
+    for name, a in zip(call.spec.inputs, call.inputs):
+        named[f"{name}_shape"] = np.array(a.shape, np.int32)
+        named[f"{name}_strides"] = np.array(named[name].strides, np.int64) // a.dtype.size
+        named[f"{name}_ndim"] = np.array([a.ndim], np.int32)
+    _, _, params = _parameters(source)
+    return [named[name] for kind, name in params if "*" in kind or kind.endswith("&")]
+
+
+@overload
+def run(call: Launch, counters: Literal[False] = False) -> list[np.ndarray]: ...
+@overload
+def run(call: Launch, counters: Literal[True]) -> tuple[list[np.ndarray], dict[str, int]]: ...
+def run(
+    call: Launch, counters: bool = False
+) -> list[np.ndarray] | tuple[list[np.ndarray], dict[str, int]]:
+    """Run the call's Metal kernel on the CPU; outputs start as NaN so unwritten ones show.
+    `counters`: also return the call's traffic (COUNTERS): bytes read and written in device
+    memory (every buffer, `constant` ones too) and in threadgroup memory, 8x8x8
+    multiply-accumulates and threadgroup barriers (once per simdgroup or threadgroup), the
+    kernel's threadgroup memory."""
     if any(d != mx.float32 for d in call.output_dtypes):
         raise NotImplementedError("the harness reads float32 outputs only")
-    buffers = (ctypes.c_void_p * (len(inputs) + len(outputs)))(
-        *[a.ctypes.data for a in inputs + outputs]
-    )
+    source = render(call)
+    lib = _compile(call, source, counters)
+    outputs = [np.full(s, np.nan, dtype=np.float32) for s in call.output_shapes]
+    arrays = _buffers(call, source, outputs)
+    buffers = (ctypes.c_void_p * len(arrays))(*[a.ctypes.data for a in arrays])
+    sizes = (ctypes.c_ulong * len(arrays))(*[a.nbytes for a in arrays])
     grid, group = ((ctypes.c_uint * 3)(*dims) for dims in (call.grid, call.threadgroup))
-    if lib.mlxwalk_launch(buffers, grid, group):
+    counts = (ctypes.c_longlong * len(COUNTERS))()
+    if lib.mlxwalk_launch(buffers, sizes, len(arrays), grid, group, counts):
         raise ValueError(f"{call.spec.name}: the grid must fill whole threadgroups of 32k threads")
-    return outputs
+    found = dict(zip(COUNTERS, counts))
+    if found["threadgroup_memory_bytes"] > THREADGROUP_MEMORY:
+        raise RuntimeError(
+            f"{call.spec.name}: {found['threadgroup_memory_bytes']} bytes of threadgroup memory; "
+            f"an Apple GPU's threadgroup has {THREADGROUP_MEMORY}"
+        )
+    return (outputs, found) if counters else outputs
 
 
 def launch(call: Launch) -> list[mx.array]:
