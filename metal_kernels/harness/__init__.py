@@ -172,20 +172,23 @@ def check_address_spaces(call: Launch, source: str | None = None) -> None:
 
 
 def compile_call(call: Launch, counting: bool = False, check: bool = True) -> ctypes.CDLL:
-    """The call's kernel as a shared library (cached by its source). Before the first build of a
-    source, `check` runs `check_address_spaces` where libclang is installed. `counting`: the
-    build that counts memory traffic (compiled with -fsanitize=thread's hooks, see runtime.h)."""
+    """The call's kernel as a shared library (cached by its source). `check`: first
+    `check_address_spaces`, where libclang is installed (once per source: a passed check is
+    cached too). `counting`: the build that counts memory traffic (compiled with
+    -fsanitize=thread's hooks, see runtime.h)."""
     return _compile(call, render(call), counting, check)
 
 
 def _compile(call: Launch, source: str, counting: bool, check: bool = True) -> ctypes.CDLL:
-    unit = _cpp(call, source, counting)
-    digest = hashlib.sha256((unit + _headers()).encode()).hexdigest()[:16]
     CACHE.mkdir(parents=True, exist_ok=True)
-    lib = CACHE / f"{call.spec.name}-{digest}.so"
+    headers = _headers()
+    checked = CACHE / f"{call.spec.name}-{_digest(source + headers)}.spaces-ok"
+    if check and HAS_CLANG and not checked.exists():
+        check_address_spaces(call, source)
+        checked.touch()
+    unit = _cpp(call, source, counting)
+    lib = CACHE / f"{call.spec.name}-{_digest(unit + headers)}.so"
     if not lib.exists():
-        if check and HAS_CLANG:
-            check_address_spaces(call, source)
         src = lib.with_suffix(".cpp")
         src.write_text(unit)
         tmp = lib.with_suffix(f".{os.getpid()}.tmp")
@@ -202,6 +205,10 @@ def _compile(call: Launch, source: str, counting: bool, check: bool = True) -> c
             _gxx([*flags, "-shared", "-o", str(tmp), str(src)], call)
         tmp.rename(lib)
     return ctypes.CDLL(str(lib))
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _gxx(args: list[str], call: Launch) -> None:

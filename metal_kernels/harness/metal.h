@@ -457,16 +457,17 @@ namespace metal {
 HARNESS_EACH_SPACE(HARNESS_MATRIX_MEMORY)
 #undef HARNESS_MATRIX_MEMORY
 
+// As Metal declares them: one element type, operands by (non-const) reference.
 template <class T, uint K, uint C, uint R>
 inline void simdgroup_multiply_accumulate(simdgroup_matrix<T, C, R>& d,
-                                          const simdgroup_matrix<T, K, R>& a,
-                                          const simdgroup_matrix<T, C, K>& b,
-                                          const simdgroup_matrix<T, C, R>& c) {
+                                          simdgroup_matrix<T, K, R>& a,
+                                          simdgroup_matrix<T, C, K>& b,
+                                          simdgroup_matrix<T, C, R>& c) {
   harness::multiply(d.elements, a.elements, b.elements, &c.elements);
 }
 template <class T, uint K, uint C, uint R>
-inline void simdgroup_multiply(simdgroup_matrix<T, C, R>& d, const simdgroup_matrix<T, K, R>& a,
-                               const simdgroup_matrix<T, C, K>& b) {
+inline void simdgroup_multiply(simdgroup_matrix<T, C, R>& d, simdgroup_matrix<T, K, R>& a,
+                               simdgroup_matrix<T, C, K>& b) {
   harness::multiply(d.elements, a.elements, b.elements, (const vec<T, 2>*)nullptr);
 }
 }  // namespace metal
