@@ -113,9 +113,11 @@ simdgroup_store(acc, c, N, ulong2(col0 + c8, row0 + r8));
 """
 
 # Half inputs staged in one two-dimensional threadgroup array through `threadgroup half*`
-# pointers, loaded as half matrices, each lane's elements converted to float for the product.
+# pointers (one operand times a half literal), loaded as half matrices, each lane's elements
+# converted to float for the product.
 GEMM_HALF = mutated(
     GEMM,
+    ("ta[i] = a[", "ta[i] = 1.0h * a["),
     ("threadgroup float ta[16 * 16];\nthreadgroup float tb[16 * 16];",
      "threadgroup half tiles[2][16 * 16];\nthreadgroup half* ta = tiles[0];\n"
      "threadgroup half *tb = tiles[1];"),

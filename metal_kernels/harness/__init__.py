@@ -92,12 +92,15 @@ _SHARED = re.compile(
     r"^([ \t]*)threadgroup\s+([\w:]+(?:\s*<[^;<>]*>)?)\s+(\w+)((?:\s*\[[^\]\n]*\])*)\s*;", re.M
 )
 _UNSHARED = re.compile(r"^[ \t]*threadgroup\s+[\w:<>, ]+?\s+\w+\s*[\[;,=]", re.M)
+_HALF_LITERAL = re.compile(r"(?<![\w.])(\d+\.\d*|\.\d+|\d+)([eE][+-]?\d+)?[hH]\b")  # 0.5h
 
 
 def _unit_source(call: Launch, source: str) -> str:
     """MLX's source made compilable by either build: the instantiation line dropped (each build
-    instantiates the kernel itself), `threadgroup` storage made static."""
+    instantiates the kernel itself), `threadgroup` storage made static, Metal's half literals
+    written as conversions."""
     unit = re.sub(r"^template \[\[host_name.*$", "", source, flags=re.M)
+    unit = _HALF_LITERAL.sub(r"half(\1\2)", unit)
     unit = _SHARED.sub(r"\1static threadgroup \2 \3\4; HARNESS_THREADGROUP(\3);", unit)
     left = _UNSHARED.search(unit)
     if left:  # would silently become one array per thread
