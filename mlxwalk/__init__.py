@@ -1,11 +1,29 @@
-"""mlxwalk: LoRA fine-tuning on very long windows with MLX, one chunk's graph at a time."""
+"""mlxwalk: LoRA fine-tuning on very long windows with MLX, one chunk's graph at a time.
+
+Importing the package does nothing else: no array library is loaded until a name that needs one
+is used, and MLX's CPU matrix products move to OpenBLAS only when `use_openblas()` is called
+(the command-line entry points and the tests' configuration call it)."""
+
+from __future__ import annotations
+
+import importlib
 
 from ._blas import use_openblas
 
-use_openblas()  # MLX's CPU GEMMs on OpenBLAS where pip installed it (see _blas.py)
+_LAZY = {
+    "train": ".plugin.trainer",
+    "WalkConfig": ".walk",
+    "Window": ".walk",
+    "one_graph": ".walk",
+    "train_window": ".walk",
+    "window_gradient": ".walk",
+}
 
-from .plugin.trainer import train  # noqa: E402
-from .walk import WalkConfig, Window, one_graph, train_window, window_gradient  # noqa: E402
-
-__all__ = ["WalkConfig", "Window", "one_graph", "train", "train_window", "window_gradient"]
+__all__ = [*_LAZY, "use_openblas"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'mlxwalk' has no attribute {name!r}")
+    return getattr(importlib.import_module(_LAZY[name], __name__), name)

@@ -6,7 +6,8 @@ and scipy build on) installs from pip with nothing from the system, but prefixes
 (`scipy_cblas_sgemm`), so MLX cannot bind to it by name. MLX calls its three GEMMs through lazily
 bound jump slots in libmlx.so; `use_openblas` writes OpenBLAS's functions into those slots. The
 functions have the same C signature (32-bit integers), so the result is the same call to a faster
-library. It runs at `import mlxwalk`, before or after mlx is imported.
+library. The command-line entry points and the tests' configuration call it (importing mlxwalk
+does not); on a machine whose MLX runs on a GPU it does nothing and says nothing.
 
 MLXWALK_BLAS=off keeps the reference BLAS; MLXWALK_BLAS=/path/to/libopenblas.so takes an
 unprefixed OpenBLAS (a system one) instead of the wheel's.
@@ -32,14 +33,19 @@ def use_openblas() -> str | None:
     choice = os.environ.get("MLXWALK_BLAS", "")
     if loaded or choice == "off" or not sys.platform.startswith("linux"):
         return loaded
+    if choice and not os.path.isfile(choice):
+        raise ValueError(f"MLXWALK_BLAS={choice!r} is unknown: give off, or the path of an "
+                         "OpenBLAS library")  # fmt: skip
+    import mlx.core as mx
+
+    if mx.default_device().type != mx.cpu:  # a GPU does the work: nothing to route or say
+        return None
     library, prefix = (choice, "") if choice else (_wheel_library(), "scipy_")
     if library is None:
         return _not_used("the scipy-openblas32 wheel is not installed")
     written: dict[int, int] = {}  # slot address -> the value it held
     try:
         blas = ctypes.CDLL(library)
-        import mlx.core  # noqa: F401  (maps libmlx.so)
-
         libmlx, base = _mapped("libmlx.so")
         slots = _jump_slots(libmlx, set(GEMMS))
         targets = {name: ctypes.cast(getattr(blas, prefix + name), ctypes.c_void_p).value

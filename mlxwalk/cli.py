@@ -116,6 +116,16 @@ def fail(prog: str, e: BaseException) -> int:
     return 2
 
 
+def setup() -> None:
+    """What every entry point does first: the environment switches checked by name, and MLX's
+    CPU matrix products moved to OpenBLAS where MLX's CPU does the work (_blas.py)."""
+    from ._blas import use_openblas
+    from .ops import routing
+
+    routing.mode()
+    use_openblas()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.command is None:
@@ -123,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     signal.signal(signal.SIGTERM, on_sigterm)
     try:
+        setup()
         return args.run(args)
     except (ValueError, FileNotFoundError, OSError, RuntimeError, KeyboardInterrupt) as e:
         return fail("mlxwalk", e)

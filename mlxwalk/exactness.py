@@ -262,11 +262,11 @@ def header(name: str, table: Table) -> str:
 
 def run(models: list[tuple[str, str]], as_json: bool = False, echo=print) -> bool:
     """Run every row on every (name, path); print the table; True when every row is OK."""
-    import mlx_lm
+    from .training import models as loading
 
     rows: list[Row] = []
     for name, path in models:
-        model, _ = mlx_lm.load(path)
+        model, _ = loading.load(path, tokenizer=False)
         table = Table(prepare(model), name)
         if not as_json:
             echo(header(name, table))

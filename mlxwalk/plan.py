@@ -91,9 +91,12 @@ class Plan:
         return index % self.stride == 0 and index > 0
 
 
-def runs(weights: Sequence[float]) -> list[tuple[int, int, float]]:
+Run = tuple[int, int, float]  # (start, end, weight): positions [start, end) share one weight
+
+
+def runs(weights: Sequence[float]) -> list[Run]:
     """Maximal runs of equal weight, as (start, end, weight)."""
-    out: list[tuple[int, int, float]] = []
+    out: list[Run] = []
     start = 0
     for i in range(1, len(weights) + 1):
         if i == len(weights) or weights[i] != weights[start]:
@@ -102,22 +105,61 @@ def runs(weights: Sequence[float]) -> list[tuple[int, int, float]]:
     return out
 
 
-def cut(weights: Sequence[float], chunk: int, follow_runs: bool = True) -> list[Chunk]:
+@dataclass(frozen=True)
+class Labels:
+    """A window's weights as their maximal runs: the plan costs what the window's chunks and
+    changes of weight cost, never a value per position (a plan of a billion positions is a
+    handful of numbers)."""
+
+    length: int
+    runs: tuple[Run, ...]
+
+    @classmethod
+    def of(cls, weights: Sequence[float]) -> Labels:
+        return cls(len(weights), tuple(runs(weights)))
+
+    @classmethod
+    def labelled(cls, length: int) -> Labels:
+        """Every position labelled: the most positions a window of `length` computes."""
+        return cls(length, ((0, length, 1.0),) if length else ())
+
+    @property
+    def end(self) -> int:
+        """One past the last labelled position (0 when nothing is labelled)."""
+        return max((e for _, e, w in self.runs if w > 0), default=0)
+
+
+def _weights(labels: Labels, spans: list[tuple[int, int]]) -> list[float]:
+    """Each span's summed weight, the spans in order: one pass over the runs."""
+    out, r, runs_ = [], 0, labels.runs
+    for s, e in spans:
+        while runs_[r][1] <= s:
+            r += 1
+        total, i = 0.0, r
+        while i < len(runs_) and runs_[i][0] < e:
+            a, b, w = runs_[i]
+            total += w * (min(b, e) - max(a, s))
+            i += 1
+        out.append(total)
+    return out
+
+
+def cut(weights: Sequence[float] | Labels, chunk: int, follow_runs: bool = True) -> list[Chunk]:
     """Chunks of at most `chunk` positions, stopping at the last label. They follow the runs
     (no chunk crosses a change of weight) unless `follow_runs` is off, when they are simply
     consecutive: a chat's many short turns would otherwise make many small chunks."""
     if chunk < 1:
         raise PlanError(f"chunk must be at least 1, got {chunk}")
-    last = max((i for i, w in enumerate(weights) if w > 0), default=-1)
-    if last < 0:
+    labels = weights if isinstance(weights, Labels) else Labels.of(weights)
+    last = labels.end
+    if last == 0:
         raise PlanError("the window has no labelled position (every weight is 0)")
-    spans = runs(weights[: last + 1]) if follow_runs else [(0, last + 1, None)]
-    chunks: list[Chunk] = []
-    for start, end, _ in spans:
-        for s in range(start, end, chunk):
-            e = min(s + chunk, end)
-            chunks.append(Chunk(len(chunks), s, e, float(sum(weights[s:e]))))
-    return chunks
+    if follow_runs:
+        edges = [(s, min(e, last)) for s, e, _ in labels.runs if s < last]
+    else:
+        edges = [(0, last)]
+    spans = [(s, min(s + chunk, e)) for a, e in edges for s in range(a, e, chunk)]
+    return [Chunk(i, s, e, w) for i, ((s, e), w) in enumerate(zip(spans, _weights(labels, spans)))]
 
 
 def grad_from(start: int, horizon: int) -> int:
@@ -178,7 +220,7 @@ def mib(n: float) -> str:
 
 
 def plan_window(
-    weights: Sequence[float],
+    weights: Sequence[float] | Labels,
     chunk: int,
     footprint: Footprint,
     *,
@@ -189,7 +231,7 @@ def plan_window(
 ) -> Plan:
     """The exact walk's plan for one window, or OutOfMemory when the host budget can't hold it.
 
-    host_budget is in bytes (None = unbounded).
+    weights: per position, or as Labels; host_budget is in bytes (None = unbounded).
     """
     if horizon < 0:
         raise PlanError(f"horizon must be 0 (the whole window) or positive, got {horizon}")
@@ -206,7 +248,7 @@ def plan_window(
             "a shorter window or a larger host budget would fit"
         )
     return Plan(
-        window=len(weights),
+        window=weights.length if isinstance(weights, Labels) else len(weights),
         chunk=chunk,
         horizon=horizon,
         chunks=tuple(chunks),

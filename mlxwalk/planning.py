@@ -5,24 +5,28 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import numpy as np
-
-from .plan import OutOfMemory, PlanError, mib
+from .plan import OutOfMemory, PlanError, mib, plan_window
 from .training import adapters
-from .walk import ExactWalk, WalkConfig, Window, arch, budget
+from .walk import ExactWalk, WalkConfig, Window, arch, budget, machine
+from .walk.exact import probe
 from .walk.store import check_cache_type
 
 
 def report(model, name: str, window: int, config: WalkConfig, echo=print) -> bool:
-    """Print the plan, the estimate and the verdict; True when the walk fits its budgets."""
+    """Print the plan, the estimate and the verdict; True when the walk fits its budgets (and,
+    without one, this machine). Nothing here holds a value per position of the window."""
     layout = arch.inspect(model)
     horizon = config.horizon or "the whole window"
     echo(f"model {name} ({layout.model_type}: {len(layout.attention)} attention layers, "
          f"{len(layout.recurrent)} recurrent), window {window}, chunk {config.chunk}, "
          f"horizon {horizon}, cache {config.cache_type}")  # fmt: skip
-    ones = np.ones(window)
+    config, default = with_default_budget(config, echo)
+    labelled = Window.labelled(window)
     try:  # with a memory budget: admission, and a longer checkpoint stride if that fits it
-        walk = ExactWalk(model, Window.of(ones, ones, ones), config)
+        if config.device_budget is not None:
+            reach = plan_window(labelled.labels, config.chunk, layout.footprint()).chunks[-1].start
+            probe(model, config.chunk, config.recompute, config.attention, reach, echo)
+        walk = ExactWalk(model, labelled, config)
     except OutOfMemory as e:
         echo(f"verdict: does not fit: {e}")
         return False
@@ -39,19 +43,46 @@ def report(model, name: str, window: int, config: WalkConfig, echo=print) -> boo
     for line in est.lines():
         echo(line)
     if walk.estimate is None:
-        echo("  (one chunk's graph is measured, and counted, under --memory-budget-mib)")
+        echo("  (one chunk's graph is measured, and counted, under a memory budget)")
     host = config.host_budget
     echo(f"host: {mib(est.host)} needed, budget {mib(host) if host else 'none'}: fits")
     device = config.device_budget
-    if device is None or est.total <= device:
-        echo(f"memory: {mib(est.total)} needed, budget {mib(device) if device else 'none'}: fits")
+    if device is None:
+        return machine_verdict(est.total, echo)
+    given = "the GPU's own (no --memory-budget-mib)" if default else "--memory-budget-mib"
+    if est.total <= device:
+        echo(f"memory: {mib(est.total)} needed, budget {mib(device)} ({given}): fits")
         echo("verdict: fits")
         return True
-    echo(f"memory: {mib(est.total)} at the full horizon, budget {mib(device)}: late chunks "
-         "narrow their horizon to fit (the forward still sees the whole window, the gradient "
-         "is no longer exact)")  # fmt: skip
+    echo(f"memory: {mib(est.total)} at the full horizon, budget {mib(device)} ({given}): late "
+         "chunks narrow their horizon to fit (the forward still sees the whole window, the "
+         "gradient is no longer exact)")  # fmt: skip
     echo("verdict: fits with a narrowed horizon")
     return True
+
+
+def with_default_budget(config: WalkConfig, echo) -> tuple[WalkConfig, bool]:
+    """On a GPU with no memory budget given, the one MLX reports it may use, said."""
+    mib_, memory = machine.default_budget_mib(config.memory_budget_mib)
+    if memory is None:
+        return config, False
+    echo(f"memory budget: {memory.said()}, as no --memory-budget-mib is given")
+    return replace(config, memory_budget_mib=mib_), True
+
+
+def machine_verdict(total: int, echo) -> bool:
+    """Without a budget: the estimate against what this machine has."""
+    memory = machine.memory()
+    if memory.bytes is None:
+        echo(f"memory: {mib(total)} needed, no budget, this machine's memory unknown")
+        echo("verdict: fits no stated budget (give --memory-budget-mib to check one)")
+        return True
+    fits = total <= memory.bytes
+    echo(f"memory: {mib(total)} needed, no budget; this machine has {memory.said()}: "
+         + ("fits" if fits else "does not fit"))  # fmt: skip
+    echo("verdict: fits" if fits else f"verdict: does not fit this machine: {mib(total)} needed, "
+         f"{mib(memory.bytes)} there")  # fmt: skip
+    return fits
 
 
 def check(args) -> None:
@@ -81,10 +112,17 @@ def run(args) -> int:
 
     check(args)
     if args.backend == "torch":
-        from .torch_backend import planning
-
+        try:
+            from .torch_backend import planning
+        except ImportError as e:
+            raise RuntimeError(
+                f"the torch backend needs pip install 'mlxwalk[torch]' ({e})"
+            ) from None
         return planning.run(args)
-    model, _ = models.load(args.model)
+    model, _ = models.load(args.model, tokenizer=False)
+    limit = models.max_positions(model)
+    if limit is not None and args.window > limit:
+        raise PlanError(f"--window {args.window} exceeds the model's maximum positions ({limit})")
     check_cache_type(args.cache_type, arch.inspect(model).head_dims)
     adapters.apply(model, adapters.LoraConfig(rank=args.rank, num_layers=args.num_layers))
     config = WalkConfig(

@@ -148,7 +148,8 @@ def bundled() -> list[str]:
 
 
 def home() -> Path:
-    return Path(os.environ.get("MLXWALK_HOME", Path.home() / ".cache" / "mlxwalk"))
+    """Where bundled models are generated: MLXWALK_HOME (unset or empty: ~/.cache/mlxwalk)."""
+    return Path(os.environ.get("MLXWALK_HOME") or Path.home() / ".cache" / "mlxwalk")
 
 
 def path(name: str = DEFAULT_MODEL) -> Path:

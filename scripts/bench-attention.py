@@ -19,8 +19,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import mlx.core as mx  # noqa: E402
 
-from mlxwalk import bench  # noqa: E402
+from mlxwalk import bench, use_openblas  # noqa: E402
 from mlxwalk.ops.attention import Prefix, check, chunk_attention, path  # noqa: E402
+
+use_openblas()  # MLX's CPU matrix products on OpenBLAS (mlxwalk/_blas.py)
 
 HEADS = {7: (14, 2), 4: (8, 2)}  # GQA ratio: (query heads, key/value heads)
 

@@ -27,10 +27,12 @@ import mlx.core as mx  # noqa: E402
 import mlx.optimizers as optim  # noqa: E402
 import numpy as np  # noqa: E402
 
-from mlxwalk import bench  # noqa: E402
+from mlxwalk import bench, use_openblas  # noqa: E402
 from mlxwalk.plan import MIB, OutOfMemory  # noqa: E402
 from mlxwalk.walk import ExactWalk, WalkConfig, Window, arch  # noqa: E402
 from mlxwalk.walk.guards import check_finite  # noqa: E402
+
+use_openblas()  # MLX's CPU matrix products on OpenBLAS (mlxwalk/_blas.py)
 
 GIB = 1 << 30
 

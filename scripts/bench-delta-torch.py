@@ -20,7 +20,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from mlxwalk import use_openblas  # noqa: E402
 from mlxwalk.torch_backend import delta  # noqa: E402
+
+use_openblas()  # MLX's CPU matrix products on OpenBLAS (mlxwalk/_blas.py)
 
 GIB = 1 << 30
 

@@ -24,11 +24,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.gated_delta import gated_delta_ops  # noqa: E402
 
-from mlxwalk import bench  # noqa: E402
+from mlxwalk import bench, use_openblas  # noqa: E402
 from mlxwalk.exactness import prepare  # noqa: E402
 from mlxwalk.ops import delta, delta_scan  # noqa: E402
 from mlxwalk.ops.delta import gated_delta  # noqa: E402
 from mlxwalk.training import models  # noqa: E402
+
+use_openblas()  # MLX's CPU matrix products on OpenBLAS (mlxwalk/_blas.py)
 
 MIB = 1 << 20
 

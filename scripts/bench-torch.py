@@ -30,12 +30,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from mlxwalk import use_openblas  # noqa: E402
 from mlxwalk.bench import SHAPES, SMALL  # noqa: E402
 from mlxwalk.plan import PlanError  # noqa: E402
 from mlxwalk.torch_backend import attention, recurrent  # noqa: E402
 from mlxwalk.torch_backend import model as models  # noqa: E402
 from mlxwalk.torch_backend.walk import TorchWalkConfig, train_window, weighted_loss  # noqa: E402
 from mlxwalk.walk.config import Window  # noqa: E402
+
+use_openblas()  # MLX's CPU matrix products on OpenBLAS (mlxwalk/_blas.py)
 
 GIB = 1 << 30
 SHAPE = {"attention": "qwen2-0.5b", "hybrid": "qwen3_5-0.8b"}

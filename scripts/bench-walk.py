@@ -19,10 +19,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import mlx.core as mx  # noqa: E402
 
-from mlxwalk import bench  # noqa: E402
+from mlxwalk import bench, use_openblas  # noqa: E402
 from mlxwalk.exactness import prepare  # noqa: E402
 from mlxwalk.training import models  # noqa: E402
 from mlxwalk.walk import WalkConfig  # noqa: E402
+
+use_openblas()  # MLX's CPU matrix products on OpenBLAS (mlxwalk/_blas.py)
 
 
 def main() -> int:

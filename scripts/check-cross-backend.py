@@ -20,12 +20,14 @@ import numpy as np  # noqa: E402
 import peft  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
-from mlxwalk import tiny  # noqa: E402
+from mlxwalk import tiny, use_openblas  # noqa: E402
 from mlxwalk.torch_backend import model as models  # noqa: E402
 from mlxwalk.torch_backend.walk import window_gradient as torch_gradient  # noqa: E402
 from mlxwalk.training import adapters  # noqa: E402
 from mlxwalk.training.convert import convert  # noqa: E402
 from mlxwalk.walk import Window, one_graph, window_gradient  # noqa: E402
+
+use_openblas()  # MLX's CPU matrix products on OpenBLAS (mlxwalk/_blas.py)
 
 
 def main() -> int:

@@ -23,8 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import mlx.core as mx  # noqa: E402
 
 from metal_kernels import build, harness  # noqa: E402
+from mlxwalk import use_openblas  # noqa: E402
 from mlxwalk.ops import delta_scan, routing  # noqa: E402
 from mlxwalk.ops.attention import check  # noqa: E402
+
+use_openblas()  # MLX's CPU matrix products on OpenBLAS (mlxwalk/_blas.py)
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 

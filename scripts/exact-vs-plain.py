@@ -16,8 +16,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from mlxwalk import use_openblas  # noqa: E402
 from mlxwalk.training import samples  # noqa: E402
 from mlxwalk.training.run import TrainConfig, train_run  # noqa: E402
+
+use_openblas()  # MLX's CPU matrix products on OpenBLAS (mlxwalk/_blas.py)
 
 
 def main() -> int:

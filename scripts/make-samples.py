@@ -7,6 +7,9 @@ from pathlib import Path
 root = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(root))
 
+from mlxwalk import use_openblas  # noqa: E402
 from mlxwalk.training import samples  # noqa: E402
+
+use_openblas()  # MLX's CPU matrix products on OpenBLAS (mlxwalk/_blas.py)
 
 samples.make(root / "mlxwalk" / "data")

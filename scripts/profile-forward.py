@@ -17,10 +17,12 @@ sys.path.insert(0, str(ROOT))
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 
-from mlxwalk import bench  # noqa: E402
+from mlxwalk import bench, use_openblas  # noqa: E402
 from mlxwalk.plan import cut  # noqa: E402
 from mlxwalk.walk import ChunkRunner, ExactWalk, WalkConfig, Window, one_graph, walking  # noqa: E402
 from mlxwalk.walk.taps import ChunkKV  # noqa: E402
+
+use_openblas()  # MLX's CPU matrix products on OpenBLAS (mlxwalk/_blas.py)
 
 MIB = 1 << 20
 

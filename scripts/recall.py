@@ -44,11 +44,13 @@ import numpy as np  # noqa: E402
 from mlx import nn  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
-import mlxwalk  # noqa: E402, F401  (OpenBLAS for MLX's CPU GEMMs)
+import mlxwalk  # noqa: E402
 from mlxwalk import recall  # noqa: E402
 from mlxwalk.training import files  # noqa: E402
 from mlxwalk.walk import WalkConfig, Window  # noqa: E402
 from mlxwalk.walk.api import apply_step, one_graph, train_window  # noqa: E402
+
+mlxwalk.use_openblas()  # MLX's CPU matrix products on OpenBLAS (mlxwalk/_blas.py)
 
 TRAINERS = ("one-graph", "exact", "plain", "peer")
 VALID_SEED = 10_000  # held-out conversations come from their own seed

@@ -14,7 +14,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from mlxwalk import use_openblas  # noqa: E402
 from mlxwalk.training import data, models  # noqa: E402
+
+use_openblas()  # MLX's CPU matrix products on OpenBLAS (mlxwalk/_blas.py)
 
 
 def marked(tokenizer, example: data.Example) -> str:

@@ -1,9 +1,12 @@
 import os
+import shutil
 import tempfile
 
 import pytest
 
-import mlxwalk  # noqa: F401  (first, so MLX's CPU backend binds to OpenBLAS when installed)
+import mlxwalk
+
+mlxwalk.use_openblas()  # MLX's CPU GEMMs on OpenBLAS, as the command-line entry points do
 
 # Bundled models are generated once per test session, away from the user's cache.
 os.environ.setdefault("MLXWALK_HOME", tempfile.mkdtemp(prefix="mlxwalk-test-"))
@@ -54,3 +57,19 @@ def measured(qwen2_path, hybrid_path):
         "qwen2": prepare(mlx_lm.load(qwen2_path)[0]),
         "hybrid": prepare(mlx_lm.load(hybrid_path)[0]),
     }
+
+
+@pytest.fixture
+def on_harness(monkeypatch):
+    """Route the kernels through the CPU harness (metal_kernels/harness) as if a Metal GPU were
+    here; the harness compiles each kernel with g++."""
+    if shutil.which("g++") is None:
+        pytest.skip("the Metal harness compiles with g++, which is not on PATH")
+    from metal_kernels import harness
+    from mlxwalk.ops import routing
+
+    monkeypatch.setattr(routing, "backend", lambda: "metal")
+    monkeypatch.setattr(routing, "launch", harness.launch)
+    monkeypatch.setattr(routing, "_verdicts", {})
+    monkeypatch.setattr(routing, "RACE", None)  # the harness is no GPU: no first-use race
+    monkeypatch.delenv("MLXWALK_KERNELS", raising=False)

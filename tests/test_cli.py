@@ -41,7 +41,11 @@ def test_a_missing_model_is_one_line_and_exit_2(tmp_path):
 def test_plan_prints_the_estimate_and_exits_1_when_it_does_not_fit():
     ok = run("plan", "--window", "1024", "--chunk", "256")
     assert ok.returncode == 0 and "verdict: fits" in ok.stdout and "K/V store" in ok.stdout
-    no = run("plan", "--window", "1024", "--chunk", "256", "--memory-budget-mib", "1")
-    assert no.returncode == 1 and "device memory" in no.stdout and "budget is 1.0 MiB" in no.stdout
+    no = run("plan", "--window", "1024", "--chunk", "256", "--memory-budget-mib", "12")
+    assert no.returncode == 1 and "device memory" in no.stdout and "budget is 12.0 MiB" in no.stdout
+    assert "a shorter window" in no.stdout  # what the walk can change
+    weights = run("plan", "--window", "1024", "--chunk", "256", "--memory-budget-mib", "1")
+    assert weights.returncode == 1 and "alone exceed the memory budget of 1.0 MiB" in weights.stdout
+    assert "a shorter window" not in weights.stdout  # nothing the walk can change would fit
     host = run("plan", "--window", "1024", "--chunk", "256", "--host-budget-mib", "0.5")
     assert host.returncode == 1 and "host memory" in host.stdout

@@ -6,11 +6,15 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-peft = pytest.importorskip("peft")
-transformers = pytest.importorskip("transformers")
+from .extras import needs_torch  # noqa: E402
+
+needs_torch()
+pytestmark = pytest.mark.torch
 
 import mlx_lm  # noqa: E402
+import peft  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
 from mlxwalk import tiny  # noqa: E402

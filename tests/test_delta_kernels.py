@@ -12,15 +12,6 @@ from mlxwalk.ops import delta, delta_scan, routing
 F32 = 1e-5
 
 
-@pytest.fixture
-def on_harness(monkeypatch):
-    monkeypatch.setattr(routing, "backend", lambda: "metal")
-    monkeypatch.setattr(routing, "launch", harness.launch)
-    monkeypatch.setattr(routing, "_verdicts", {})
-    monkeypatch.setattr(routing, "RACE", None)
-    monkeypatch.delenv("MLXWALK_KERNELS", raising=False)
-
-
 @pytest.mark.parametrize("dk, chunk", [(32, 16), (64, 40), (128, 64)])
 def test_scans_match_the_ops_recurrence(on_harness, dk, chunk):
     errors = delta_scan.kernel_vs_twin(routing.Case("metal", mx.float32, dk, chunk, op="delta"))

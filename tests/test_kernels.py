@@ -15,16 +15,6 @@ from mlxwalk.plan import PlanError
 F32 = 1e-5  # float32: the kernels accumulate in float32 like the twin, in another order
 
 
-@pytest.fixture
-def on_harness(monkeypatch):
-    """Route the kernels through the CPU harness as if a Metal GPU were here."""
-    monkeypatch.setattr(routing, "backend", lambda: "metal")
-    monkeypatch.setattr(routing, "launch", harness.launch)
-    monkeypatch.setattr(routing, "_verdicts", {})
-    monkeypatch.setattr(routing, "RACE", None)  # the harness is no GPU: no first-use race
-    monkeypatch.delenv("MLXWALK_KERNELS", raising=False)
-
-
 @pytest.mark.parametrize(
     "dim, groups", [(64, 1), (64, 7), (128, 2), (128, 8), (256, 4), (256, 3), (64, 5), (128, 6)]
 )

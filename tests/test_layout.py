@@ -5,6 +5,8 @@ backend, cli)."""
 import ast
 from pathlib import Path
 
+from . import extras
+
 PACKAGE = Path(__file__).resolve().parent.parent / "mlxwalk"
 LAYERS = {"plan": 0, "ops": 1, "walk": 2, "training": 3, "plugin": 4, "torch_backend": 4}
 
@@ -77,19 +79,39 @@ def test_the_plan_imports_no_array_library():
     assert "import mlx" not in text and "import numpy" not in text and "import torch" not in text
 
 
-def test_every_script_imports_what_exists():
-    """The scripts run outside the suite: each name they import from mlxwalk must be there."""
-    import importlib.util
-
+def script_imports(torch_backend: bool):
+    """(script, module, name) for each name a script imports from mlxwalk, on the torch
+    backend's side or the rest."""
     for script in sorted((PACKAGE.parent / "scripts").glob("*.py")):
         for node in ast.walk(ast.parse(script.read_text())):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mlxwalk"):
-                module = importlib.import_module(node.module)
-                for alias in node.names:
-                    found = hasattr(module, alias.name) or importlib.util.find_spec(
-                        f"{node.module}.{alias.name}"
-                    )
-                    assert found, f"{script.name}: {node.module} has no {alias.name}"
+            module = getattr(node, "module", None) or ""
+            if isinstance(node, ast.ImportFrom) and module.startswith("mlxwalk"):
+                if ("torch_backend" in module) == torch_backend:
+                    for alias in node.names:
+                        yield script.name, module, alias.name
+
+
+def check_script_imports(torch_backend: bool) -> int:
+    import importlib.util
+
+    seen = 0
+    for script, module_name, name in script_imports(torch_backend):
+        module = importlib.import_module(module_name)
+        found = hasattr(module, name) or importlib.util.find_spec(f"{module_name}.{name}")
+        assert found, f"{script}: {module_name} has no {name}"
+        seen += 1
+    return seen
+
+
+def test_every_script_imports_what_exists():
+    """The scripts run outside the suite: each name they import from mlxwalk must be there."""
+    assert check_script_imports(torch_backend=False) > 20
+
+
+@extras.torch
+def test_every_script_imports_what_exists_in_the_torch_backend():
+    """The same for the names scripts import from the torch backend (which needs the extra)."""
+    assert check_script_imports(torch_backend=True) > 3
 
 
 def test_kernels_import_nothing_of_mlxwalk():

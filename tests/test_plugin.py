@@ -1,6 +1,7 @@
 """The mlx-lm plugin: python -m mlxwalk.lora with mlx_lm.lora's arguments and YAML, and
 mlxwalk.train with mlx-lm's TrainingArgs and TrainingCallback."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -63,6 +64,7 @@ def test_lora_cli_takes_mlx_lm_arguments_and_yaml(qwen2_path, data_dir, tmp_path
     assert not hasattr(model.layers[-1].self_attn.k_proj, "lora_a")  # keys honoured
 
 
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed")
 def test_lora_cli_report_to_an_uninstalled_logger_is_one_line(qwen2_path, data_dir, tmp_path):
     p = lora("--model", qwen2_path, "--train", "--data", str(data_dir), "--num-layers", "2",
              "--report-to", "wandb", "--adapter-path", str(tmp_path / "ad"))  # fmt: skip

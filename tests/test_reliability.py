@@ -318,12 +318,12 @@ def test_probes_draw_ids_the_model_has(small_vocab, monkeypatch):
     seen = []
     real = probes.measure
 
-    def spy(model, chunk, peak):
+    def spy(model, chunk, far, peak, echo=None):
         def peak_seen(ids, n, horizon):
             seen.append(int(np.max(ids[: n + 1])))
             return peak(ids, n, horizon)
 
-        return real(model, chunk, peak_seen)
+        return real(model, chunk, far, peak_seen, echo)
 
     monkeypatch.setattr(probes, "measure", spy)
     monkeypatch.setattr(probes, "TILE", 64)  # a short probe: only its ids are looked at

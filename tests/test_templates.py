@@ -11,6 +11,9 @@ TEMPLATES = Path(__file__).parent / "templates"
 # Qwen3's shape: an assistant turn after the last user turn, when it is the final message, opens
 # with an empty think block; earlier turns render without one.
 QWEN3_LIKE = (TEMPLATES / "qwen3_like.jinja").read_text()
+# The same with spaces where Qwen3 breaks lines, and its generation prompt carrying the empty
+# think block (thinking off), which earlier turns render without.
+SPACED_THINK = (TEMPLATES / "spaced_think.jinja").read_text()
 # A default system prompt with a date when none is given (Llama 3's shape).
 DATED = (TEMPLATES / "dated.jinja").read_text()
 # A template that renders earlier turns from a summary of the last: nothing to anchor.
@@ -50,6 +53,12 @@ def labelled_text(tok, template, messages):
 def test_qwen3_think_block_on_the_last_turn(tokenizer):
     runs = labelled_text(tokenizer, QWEN3_LIKE, CHAT)
     assert runs == ["The owl.<|im_end|>\n", "<think>\n\n</think>\n\nThe trout.<|im_end|>\n"]
+
+
+def test_a_template_without_line_breaks_and_a_think_block_in_its_prompt(tokenizer):
+    """Found by alignment: the turn's content replaced by a marker, the renderings compared."""
+    runs = labelled_text(tokenizer, SPACED_THINK, CHAT)
+    assert runs == ["The owl.<|im_end|> ", "The trout.<|im_end|> "]
 
 
 def test_a_template_that_adds_a_date_and_a_system_prompt(tokenizer):

@@ -8,7 +8,11 @@ import logging
 import numpy as np
 import pytest
 
-pytest.importorskip("transformers")
+from .extras import needs_torch  # noqa: E402
+
+needs_torch()
+pytestmark = pytest.mark.torch
+
 
 from mlxwalk.plan import OutOfMemory, PlanError  # noqa: E402
 from mlxwalk.torch_backend import model as models  # noqa: E402

@@ -4,9 +4,13 @@ the MLX op on the same inputs, values and every gradient (the initial state's in
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
+from .extras import needs_torch  # noqa: E402
+
+needs_torch()
+pytestmark = pytest.mark.torch
 
 import mlx.core as mx  # noqa: E402
+import torch  # noqa: E402
 
 from mlxwalk.ops import delta as mlx_delta  # noqa: E402
 from mlxwalk.torch_backend import delta  # noqa: E402

@@ -10,7 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytest.importorskip("transformers")
+from .extras import needs_torch  # noqa: E402
+
+needs_torch()
+pytestmark = pytest.mark.torch
+
 
 from safetensors.numpy import load_file  # noqa: E402
 

@@ -8,11 +8,14 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-peft = pytest.importorskip("peft")
-pytest.importorskip("transformers")
+from .extras import needs_torch  # noqa: E402
+
+needs_torch()
+pytestmark = pytest.mark.torch
 
 import mlx_lm  # noqa: E402
+import peft  # noqa: E402
+import torch  # noqa: E402
 from safetensors.numpy import load_file  # noqa: E402
 
 from mlxwalk import cli, tiny  # noqa: E402

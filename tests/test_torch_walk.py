@@ -6,11 +6,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("peft")
-pytest.importorskip("transformers")
+from .extras import needs_torch  # noqa: E402
+
+needs_torch()
+pytestmark = pytest.mark.torch
 
 import mlx_lm  # noqa: E402
+import torch  # noqa: E402
 from transformers.cache_utils import Cache  # noqa: E402
 
 from mlxwalk import cli, tiny  # noqa: E402

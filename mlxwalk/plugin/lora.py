@@ -19,15 +19,15 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import math
 import sys
 import types
+from dataclasses import replace
 from pathlib import Path
 
 from ..plan import PlanError
 from ..training.ranks import Ranks
-from ..walk import WalkConfig, arch
+from ..walk import WalkConfig, arch, machine
 from ..walk.store import check_cache_type
 from .trainer import NO_CUT
 
@@ -157,8 +157,15 @@ def refuse(o) -> None:
                  "chunk"):  # fmt: skip
         at_least(name, getattr(o, name), 1)
     layers(o.num_layers)  # -1: every layer, as in mlx-lm
+    if not o.hf_dataset and Path(o.data).is_file():
+        raise PlanError(f"--data {o.data} is a file; give the folder that holds train.jsonl, "
+                        "valid.jsonl and test.jsonl")  # fmt: skip
     if not o.hf_dataset and not Path(o.data).is_dir():
         raise PlanError(f"--data {o.data} is not a folder (nothing is downloaded)")
+    for split, wanted in (("train", o.train), ("valid", o.train), ("test", o.test)):
+        file = Path(o.data) / f"{split}.jsonl"
+        if wanted and not o.hf_dataset and file.is_file() and not file.read_text().strip():
+            raise PlanError(f"{file} is empty: {split} needs at least one example")
     at_least("horizon", o.horizon, 0, " (0 = the whole window)")
     for name in ("val_batches", "test_batches"):
         if getattr(o, name) == 0 or getattr(o, name) < -1:
@@ -193,20 +200,20 @@ def claim(o) -> None:
 
 def load_adapter(model, folder: str) -> None:
     """The adapter under test, as mlx-lm builds it from adapter_config.json, loaded strictly."""
-    import mlx.core as mx
     from mlx_lm.tuner.utils import linear_to_lora_layers
 
     from ..training.adapters import load_strict
+    from ..training.files import load_json, load_safetensors
 
     path = Path(folder)
     for name in ("adapter_config.json", "adapters.safetensors"):
         if not (path / name).exists():
             raise PlanError(f"adapter path {path} has no {name} to test (train one with --train, "
                             "or give --adapter-path '' to test the base model)")  # fmt: skip
-    config = json.loads((path / "adapter_config.json").read_text())
+    config = load_json(path / "adapter_config.json")
     model.freeze()
     linear_to_lora_layers(model, config["num_layers"], config["lora_parameters"])
-    load_strict(model, mx.load(str(path / "adapters.safetensors")), str(path))
+    load_strict(model, load_safetensors(path / "adapters.safetensors"), str(path))
     print(f"Testing the adapter in {path} (rank {config['lora_parameters']['rank']}, "
           f"{config['num_layers']} layers)", flush=True)  # fmt: skip
 
@@ -284,6 +291,10 @@ def run(o, training_callback=None) -> None:
     callback = reporting(o, training_callback) if o.train else None
     model, tokenizer = models.load(o.model, trust_remote_code=bool(o.trust_remote_code))
     check_cache_type(o.cache_type, arch.inspect(model).head_dims)
+    budget_mib, memory = machine.default_budget_mib(o.memory_budget_mib)
+    if memory is not None and o.train and o.walk == "exact" and ranks.leader:
+        print(f"memory budget: {memory.said()}, as no --memory-budget-mib is given", flush=True)
+    walk_config = replace(walk_config, memory_budget_mib=budget_mib)
     train_set, valid_set, test_set = load_dataset(o, tokenizer)
     args = training_args(o)
     if o.train:
@@ -336,6 +347,7 @@ def train(o, model, train_set, valid_set, args, walk_config, callback) -> None:
     from mlx_lm.tuner.utils import linear_to_lora_layers
 
     from ..training import adapters
+    from ..training.files import load_safetensors
     from . import trainer
 
     mx.random.seed(o.seed)  # the adapter's initial values, as mlx_lm.lora seeds them
@@ -350,9 +362,12 @@ def train(o, model, train_set, valid_set, args, walk_config, callback) -> None:
     linear_to_lora_layers(model, o.num_layers, o.lora_parameters)
     if o.resume_adapter_file:
         file = Path(o.resume_adapter_file)
+        if file.is_dir():
+            raise PlanError(f"--resume-adapter-file {file} is a folder; give the adapter's "
+                            f"file, such as {file / 'adapters.safetensors'}")  # fmt: skip
         if not file.is_file():
             raise PlanError(f"--resume-adapter-file {file} does not exist")
-        adapters.load_strict(model, mx.load(str(file)), str(file))
+        adapters.load_strict(model, load_safetensors(file), str(file))
         print(f"Loading fine-tuned weights from {file}", flush=True)
     announce_cuts(train_set, o.max_seq_length)
     optimizer = make_optimizer(o)
@@ -364,10 +379,11 @@ def train(o, model, train_set, valid_set, args, walk_config, callback) -> None:
 def main(argv: list[str] | None = None) -> int:
     import signal
 
-    from ..cli import fail, on_sigterm
+    from ..cli import fail, on_sigterm, setup
 
     signal.signal(signal.SIGTERM, on_sigterm)
     try:
+        setup()
         run(options(argv))
     except (ValueError, FileNotFoundError, OSError, RuntimeError, KeyboardInterrupt) as e:
         return fail("mlxwalk.lora", e)

@@ -233,12 +233,12 @@ def clear_cache(threshold: int) -> None:
 def save(model, file: Path, iteration: int | None, config: dict | None = None) -> None:
     import json
 
-    from ..training.files import atomic_write, write_text
+    from ..training.files import save_safetensors, write_text
 
     weights = dict(tree_flatten(model.trainable_parameters()))
     if config is not None:  # first, so an adapter is never without its config
         write_text(file.parent / "adapter_config.json", json.dumps(config, indent=4))
-    atomic_write(file, lambda p: mx.save_safetensors(p, weights))
+    save_safetensors(file, weights)
     if iteration is not None:
         step = file.parent / f"{iteration:07d}_adapters.safetensors"
-        atomic_write(step, lambda p: mx.save_safetensors(p, weights))
+        save_safetensors(step, weights)

@@ -138,7 +138,7 @@ class Walk:
 
     def loss_only(self) -> float:
         """The window's loss, chunk by chunk with no gradient (evaluation)."""
-        chunks = cut(self.window.weights.tolist(), self.config.chunk, self.config.follow_runs)
+        chunks = cut(self.window.labels, self.config.chunk, self.config.follow_runs)
         self.new_store(chunks[-1].end)
         loss, states = 0.0, {}
         with torch.no_grad(), self.walking():
@@ -266,7 +266,7 @@ class ExactWalk(Walk):
     def __init__(self, model, window: Window, config: TorchWalkConfig, acts=None):
         super().__init__(model, window, config)
         self.plan = plan_window(
-            window.weights.tolist(),
+            window.labels,
             config.chunk,
             self.footprint,
             horizon=config.horizon,
@@ -482,7 +482,7 @@ class PlainWalk(Walk):
     `step`, one step per labelled chunk (the chunk is then re-decoded under the new adapter)."""
 
     def run(self, step: Callable[[], None] | None = None) -> float:
-        chunks = cut(self.window.weights.tolist(), self.config.chunk, self.config.follow_runs)
+        chunks = cut(self.window.labels, self.config.chunk, self.config.follow_runs)
         with self.walking():
             loss = self._run(chunks, step)
         self.store = None

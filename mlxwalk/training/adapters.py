@@ -8,12 +8,11 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..plan import PlanError
-from .files import atomic_write, write_text
+from .files import save_safetensors, write_text
 
 LINEAR_TYPES = ("Linear", "QuantizedLinear", "SwitchLinear", "QuantizedSwitchLinear")
 
@@ -100,7 +99,7 @@ def save(model: nn.Module, folder: Path, lora: LoraConfig) -> None:
     """adapters.safetensors and adapter_config.json, each written atomically."""
     folder = Path(folder)
     weights = dict(tree_flatten(model.trainable_parameters()))
-    atomic_write(folder / "adapters.safetensors", lambda p: mx.save_safetensors(p, weights))
+    save_safetensors(folder / "adapters.safetensors", weights)
     config = {
         "fine_tune_type": "lora",
         "num_layers": len(model.layers) if lora.num_layers < 0 else lora.num_layers,

@@ -1,5 +1,11 @@
 """Where each assistant turn lies in a whole conversation's rendering, in characters: plain string
-work on the template's outputs, no tokenizer (data.py renders, then maps the spans to tokens)."""
+work on the template's outputs, no tokenizer (data.py renders, then maps the spans to tokens).
+
+First by alignment (`marked_span`): the conversation is rendered again with the turn's content
+replaced by a marker, and the two renderings differ only where the content went, whatever the
+template writes around it (line breaks or spaces, a think block or none). Where the template does
+not render the marker verbatim (or the turn has tool calls and no content), `turn_span` places
+the turn by its rendering as the last turn instead."""
 
 from __future__ import annotations
 
@@ -14,6 +20,40 @@ def common(a: str, b: str) -> int:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if a[:mid] == b[:mid] else (lo, mid)
     return lo
+
+
+MARK = "\ue000mlxwalk-turn\ue001"  # private-use characters: no content or template holds them
+
+
+def common_tail(a: str, b: str) -> int:
+    """The length of the longest common suffix of a and b."""
+    return common(a[::-1], b[::-1])
+
+
+def marked_span(
+    whole: str, marked: str, head: str, before: str, upto_marked: str
+) -> tuple[int, int] | None:
+    """Where one assistant turn lies in `whole`, by alignment with `marked` (the same
+    conversation, the turn's content replaced by MARK); None when the template did not render
+    the marker verbatim.
+
+    head, before: the conversation before the turn, with and without the generation prompt;
+    upto_marked:  the conversation ending with the turn, its content replaced by MARK.
+    The turn starts where the generation prompt stops matching `whole` (what the template writes
+    after it, such as an empty think block, is the model's to generate), never before the
+    generation prompt nor after the content; it ends after the content and as much of what the
+    template closes a last turn with (its end-of-turn tokens) as `whole` holds there."""
+    a = common(whole, marked)
+    b = common_tail(whole[a:], marked[a:])
+    if marked[a : len(marked) - b] != MARK or MARK not in upto_marked:
+        return None
+    base = common(head, before)  # where the generation prompt begins
+    start = min(common(head, whole), a)
+    if start < base:
+        raise ValueError("the conversation before it renders differently in the whole")
+    closing = upto_marked[upto_marked.rindex(MARK) + len(MARK) :]
+    end = len(whole) - b
+    return start, end + common(closing, whole[end:])
 
 
 def turn_span(whole: str, head: str, before: str, upto: str, anchors: list[str]) -> tuple[int, int]:

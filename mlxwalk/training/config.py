@@ -86,7 +86,8 @@ class TrainConfig:
                               "(default: a sample)")  # fmt: skip
     walk: str = option("exact", "exact (one step per window) or plain (one step per chunk)")
     window: int | None = option(None, "positions per window (default: the longest example, "
-                                "rounded up to the chunk)", plan=True)  # fmt: skip
+                                "rounded up to the chunk)",
+                                plan="positions the planned window holds (required)")  # fmt: skip
     chunk: int = option(512, "positions per chunk", plan=True)
     horizon: int = option(0, "prefix positions each chunk sends gradient to (0 = the whole "
                           "window)", plan=True)  # fmt: skip

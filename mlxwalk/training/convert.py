@@ -19,7 +19,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..plan import PlanError
-from .files import TMP_MARK
+from .files import TMP_MARK, load_safetensors
 
 PEFT_WEIGHTS, MLX_WEIGHTS, CONFIG = (
     "adapter_model.safetensors",
@@ -89,6 +89,27 @@ def _restem(path: str, stems: tuple[str, str] | None, to_mlx: bool) -> str:
     return f"{dst}{sep}{rest}" if head == src else path
 
 
+def tensor_rank(weights: dict, src: Path, said: int, rank_axis: dict[str, int]) -> int:
+    """The rank the tensors hold (each A's and B's rank axis, `rank_axis` by the name's last
+    letter), refused when they disagree with each other or with the config's `said` rank."""
+    ranks = {}
+    for name, w in weights.items():
+        ab = re.search(r"lora_([aAbB])", name).group(1).lower()
+        ranks[name] = w.shape[rank_axis[ab]]
+    found = set(ranks.values())
+    if len(found) > 1:
+        name = min(ranks, key=lambda k: (ranks[k], k))
+        raise PlanError(f"{src}: its LoRA tensors disagree on the rank ({sorted(found)}; "
+                        f"{name} has {ranks[name]})")  # fmt: skip
+    rank = found.pop() if found else said
+    if rank != said:
+        name = min(ranks)
+        raise PlanError(f"{src}: {CONFIG} says rank {said}, but its tensors have rank {rank} "
+                        f"({name} is {tuple(weights[name].shape)}); fix the config or the "
+                        "adapter")  # fmt: skip
+    return rank
+
+
 def peft_to_mlx(src: Path, model: Path | None = None) -> tuple[dict, dict]:
     """(weights, config) in mlx-lm's format. mlx-lm adapts the last num_layers layers, so the
     layer count comes from the base model's config.json (`model`, else the folder PEFT names)."""
@@ -103,7 +124,7 @@ def peft_to_mlx(src: Path, model: Path | None = None) -> tuple[dict, dict]:
     total = _layer_count(model)
     stems = _stems(model)
     weights, layers, keys = {}, set(), set()
-    for name, w in mx.load(str(Path(src) / PEFT_WEIGHTS)).items():
+    for name, w in load_safetensors(Path(src) / PEFT_WEIGHTS).items():
         m = _PEFT_KEY.match(name)
         if m is None:
             raise PlanError(f"{src}: {name} is not a LoRA weight of a decoder layer")
@@ -112,6 +133,7 @@ def peft_to_mlx(src: Path, model: Path | None = None) -> tuple[dict, dict]:
         weights[f"{path}.lora_{ab.lower()}"] = w.T  # A (r, in) -> lora_a (in, r); B likewise
         layers.add(int(layer))
         keys.add(key)
+    tensor_rank(weights, src, r, {"a": 1, "b": 0})  # lora_a (in, r), lora_b (r, out)
     n = len(layers)
     if sorted(layers) != list(range(total - n, total)):
         raise PlanError(
@@ -136,7 +158,7 @@ def mlx_to_peft(src: Path, model: Path | None = None) -> tuple[dict, dict]:
     r, scale = int(lp["rank"]), float(lp["scale"])
     stems = _stems(model)
     weights, layers, keys = {}, set(), set()
-    for name, w in mx.load(str(Path(src) / MLX_WEIGHTS)).items():
+    for name, w in load_safetensors(Path(src) / MLX_WEIGHTS).items():
         m = _MLX_KEY.match(name)
         if m is None:
             raise PlanError(f"{src}: {name} is not a LoRA weight of a decoder layer")
@@ -145,6 +167,7 @@ def mlx_to_peft(src: Path, model: Path | None = None) -> tuple[dict, dict]:
         weights[f"base_model.model.{path}.lora_{ab.upper()}.weight"] = w.T
         layers.add(int(layer))
         keys.add(key)
+    tensor_rank(weights, src, r, {"a": 0, "b": 1})  # lora_A (r, in), lora_B (out, r)
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -176,10 +199,8 @@ def convert(src: Path, dst: Path, model: Path | None = None) -> str:
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}{TMP_MARK}", dir=dst.parent))
     try:
-        mx.save_safetensors(
-            str(tmp / (MLX_WEIGHTS if target == "mlx" else PEFT_WEIGHTS)),
-            {k: mx.array(v) for k, v in weights.items()},
-        )
+        with open(tmp / (MLX_WEIGHTS if target == "mlx" else PEFT_WEIGHTS), "wb") as f:
+            mx.save_safetensors(f, {k: mx.array(v) for k, v in weights.items()})
         (tmp / CONFIG).write_text(json.dumps(config, indent=2))
         os.replace(tmp, dst)
     finally:

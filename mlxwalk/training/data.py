@@ -295,23 +295,41 @@ def chat_example(tokenizer, messages: list[dict], tools=None, where: str = "") -
     for i, m in enumerate(messages):
         if m.get("role") != "assistant" or m.get("train", True) is False:
             continue
-        upto = _render(tokenizer, clean[: i + 1], tools, where)
-        calls = [chat.call_name(c) for c in m.get("tool_calls") or []]
-        error = None
-        for content in chat.contents(m.get("content")):
-            anchors = [a for a in [content, *calls] if a]
-            head, before = _before(tokenizer, clean, i, tools, where, whole, anchors)
-            try:
-                span = chat.turn_span(whole, head, before, upto, anchors)
-                break
-            except ValueError as e:
-                error = e
-        else:
-            raise DataError(f"{where}: message {i} (assistant) can't be labelled: {error}")
+        span = _turn(tokenizer, clean, i, tools, where, whole)
         first, end = _positions(tokenizer, whole, ids, starts, span, where)
         for t in range(first, end):
             labels[t] = 1.0
     return Example(ids, labels, where)
+
+
+def _turn(tokenizer, clean: list[dict], i: int, tools, where: str, whole: str) -> tuple[int, int]:
+    """Where assistant message i lies in `whole`, in characters: by alignment with a rendering
+    that holds a marker in place of its content (chat.marked_span), else by its rendering as the
+    last turn (chat.turn_span), trying its content and then what follows its think block."""
+    m = clean[i]
+    calls = [chat.call_name(c) for c in m.get("tool_calls") or []]
+    if isinstance(m.get("content"), str) and m["content"]:
+        marked = [*clean[:i], {**m, "content": chat.MARK}, *clean[i + 1 :]]
+        head, before = _before(tokenizer, clean, i, tools, where, whole, [m["content"].strip()])
+        try:
+            span = chat.marked_span(
+                whole, _render(tokenizer, marked, tools, where), head, before,
+                _render(tokenizer, marked[: i + 1], tools, where),
+            )  # fmt: skip
+        except ValueError as e:
+            raise DataError(f"{where}: message {i} (assistant) can't be labelled: {e}") from None
+        if span is not None:
+            return span
+    upto = _render(tokenizer, clean[: i + 1], tools, where)
+    error = None
+    for content in chat.contents(m.get("content")):
+        anchors = [a for a in [content, *calls] if a]
+        head, before = _before(tokenizer, clean, i, tools, where, whole, anchors)
+        try:
+            return chat.turn_span(whole, head, before, upto, anchors)
+        except ValueError as e:
+            error = e
+    raise DataError(f"{where}: message {i} (assistant) can't be labelled: {error}")
 
 
 def _check_message(m: object, i: int, where: str) -> None:
@@ -430,6 +448,9 @@ def load(
 
 def check_folder(folder) -> Path:
     path = Path(folder)
+    if path.is_file():
+        raise DataError(f"--data {path} is a file; give the folder that holds train.jsonl (and "
+                        "optionally valid.jsonl)")  # fmt: skip
     if not path.is_dir():
         raise DataError(f"data folder {path} does not exist")
     if not (path / "train.jsonl").exists():

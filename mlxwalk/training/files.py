@@ -7,11 +7,19 @@ temporary behind; `sweep` removes such leftovers when the next run opens the fol
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import shutil
+import socket
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
+
+import mlx.core as mx
+
+from ..plan import PlanError
 
 TMP_MARK = ".tmp-"
 
@@ -42,6 +50,42 @@ def atomic_write(path: Path, write: Callable[[str], object]) -> None:
 
 def write_text(path: Path, text: str) -> None:
     atomic_write(path, lambda p: Path(p).write_text(text))
+
+
+# MLX's own save and load take a path as text and encode it themselves, which fails (std::bad_cast)
+# on a path that is not valid in this locale's encoding (a non-ASCII folder under LANG=C). Through
+# a file object Python opens, with the format named, MLX takes any path the OS does.
+
+
+def save_safetensors(path: Path, arrays: dict, metadata: dict | None = None) -> None:
+    """`arrays` to `path`, written whole (atomic_write)."""
+
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as f:
+            mx.save_safetensors(f, arrays, metadata=metadata)
+
+    atomic_write(path, write)
+
+
+def load_safetensors(path: Path) -> dict:
+    """The arrays of a safetensors file, or a refusal naming the file (truncated, or not one)."""
+    with open(path, "rb") as f:
+        try:
+            return mx.load(f, format="safetensors")
+        except (RuntimeError, ValueError) as e:
+            why = str(e).split("] ", 1)[-1]
+            raise PlanError(f"{path} is not a readable safetensors file ({why})") from None
+
+
+def load_json(path: Path) -> dict:
+    """A JSON object from a file, or a refusal naming the file."""
+    try:
+        value = json.loads(Path(path).read_text())
+    except ValueError as e:
+        raise PlanError(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise PlanError(f"{path} holds no JSON object")
+    return value
 
 
 def sweep(folder: Path) -> None:
@@ -83,3 +127,52 @@ class NewFolder:
             sweep(folder)
             if is_empty(folder):
                 folder.rmdir()
+
+
+class FolderLock:
+    """One run per folder: an exclusive lock on `<folder>/.mlxwalk.lock`, held for the run's
+    life. It is an flock, which the kernel drops when its process dies, so the file a killed run
+    leaves behind is a stale lock that the next run simply takes; the file names its owner for
+    the refusal of a second run."""
+
+    NAME = ".mlxwalk.lock"
+
+    def __init__(self, folder: Path):
+        self.path = Path(folder) / self.NAME
+        self.fd: int | None = None
+
+    def acquire(self) -> None:
+        for _ in range(5):  # the owner may remove the file between our open and our lock
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666 & ~umask())
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                owner = os.read(fd, 200).decode(errors="replace").strip() or "owner unknown"
+                os.close(fd)
+                raise PlanError(
+                    f"adapter path {self.path.parent} is in use by another run ({owner}); wait "
+                    "for it to end, or choose another --adapter-path"
+                ) from None
+            try:
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                os.ftruncate(fd, 0)
+                started = time.strftime("%Y-%m-%d %H:%M:%S")
+                os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}, {started}".encode())
+                self.fd = fd
+                return
+            os.close(fd)
+        raise PlanError(f"adapter path {self.path.parent}: its lock keeps changing hands")
+
+    def __del__(self) -> None:  # a run object dropped without ending (an API caller's)
+        self.release()
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        self.path.unlink(missing_ok=True)
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+        self.fd = None

@@ -3,6 +3,8 @@ Hugging Face cache. Nothing is downloaded."""
 
 from __future__ import annotations
 
+import json
+import struct
 from pathlib import Path
 
 from .. import tiny
@@ -33,13 +35,75 @@ def resolve(model: str) -> Path:
     raise ModelNotFound(f"model {model!r} is not a bundled model, a local folder or a hub id")
 
 
-def load(model: str, adapter_path: str | None = None, trust_remote_code: bool = False):
-    """(model, tokenizer) through mlx_lm.load, from a local folder."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def load(
+    model: str,
+    adapter_path: str | None = None,
+    trust_remote_code: bool = False,
+    tokenizer: bool = True,
+):
+    """(model, tokenizer) through mlx_lm.load, from a local folder; a folder mlx-lm can't read
+    is refused in one line naming the file at fault. `tokenizer`: the caller reads text, so a
+    folder with no tokenizer files is refused up front."""
     import mlx_lm
 
-    return mlx_lm.load(str(resolve(model)), adapter_path=adapter_path,
-                       tokenizer_config={"trust_remote_code": trust_remote_code},
-                       trust_remote_code=trust_remote_code)  # fmt: skip
+    folder = resolve(model)
+    if tokenizer and not any((folder / name).exists() for name in TOKENIZER_FILES):
+        raise ModelNotFound(f"model folder {folder} has no tokenizer (none of "
+                            f"{', '.join(TOKENIZER_FILES)}): reading text needs one")  # fmt: skip
+    try:
+        return mlx_lm.load(str(folder), adapter_path=adapter_path,
+                           tokenizer_config={"trust_remote_code": trust_remote_code},
+                           trust_remote_code=trust_remote_code)  # fmt: skip
+    except json.JSONDecodeError as e:
+        raise BadModel(f"{_json_file(folder, adapter_path)} is not valid JSON ({e})") from None
+    except TypeError as e:  # the model type's ModelArgs lacks a required field
+        if "required" not in str(e):
+            raise
+        missing = str(e).split("argument", 1)[-1].strip(": s")
+        raise BadModel(f"{folder / 'config.json'} lacks {missing}, which its model type "
+                       "needs") from None  # fmt: skip
+    except (RuntimeError, ValueError) as e:
+        if "safetensors" not in str(e):
+            raise
+        where = damaged(folder) or damaged(Path(adapter_path or folder)) or folder
+        raise BadModel(f"{where} can't be read: {str(e).split('] ', 1)[-1]}") from None
+
+
+class BadModel(ValueError):
+    """A model folder mlx-lm can't load, named by the file at fault."""
+
+
+def _json_file(folder: Path, adapter_path: str | None) -> Path:
+    """Which of the JSON files mlx-lm reads fails to parse."""
+    candidates = [folder / "config.json"]
+    if adapter_path:
+        candidates.append(Path(adapter_path) / "adapter_config.json")
+    for file in candidates:
+        try:
+            json.loads(file.read_text())
+        except (OSError, ValueError):
+            return file
+    return folder / "config.json"
+
+
+def damaged(folder: Path) -> Path | None:
+    """The first safetensors file in `folder` whose header is unreadable or whose tensors end
+    past the file's end (a truncated download)."""
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        try:
+            with open(file, "rb") as f:
+                (size,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(size))
+            end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"),
+                      default=0)  # fmt: skip
+            if 8 + size + end > file.stat().st_size:
+                return file
+        except (OSError, ValueError, KeyError, TypeError, struct.error):
+            return file
+    return None
 
 
 def fingerprint(model) -> str:
@@ -61,3 +125,16 @@ def fingerprint(model) -> str:
             picks = picks.view(mx.uint16)
         h.update(np.asarray(picks).tobytes())
     return h.hexdigest()[:16]
+
+
+def max_positions(model) -> int | None:
+    """The model's `max_position_embeddings` (its text config's for a multimodal one), if any."""
+    args = getattr(model, "args", None)
+    for source in (args, getattr(args, "text_config", None)):
+        if isinstance(source, dict):
+            value = source.get("max_position_embeddings")
+        else:
+            value = getattr(source, "max_position_embeddings", None)
+        if isinstance(value, int):
+            return value
+    return None

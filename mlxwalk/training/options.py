@@ -14,11 +14,13 @@ from .config import TrainConfig
 def flags(plan: bool = False) -> dict[str, tuple[str, str]]:
     """TrainConfig's fields that are flags: name -> (its type as text, its help); `plan`: those
     `mlxwalk plan` takes."""
-    return {
-        f.name: (str(f.type), f.metadata["help"])
-        for f in fields(TrainConfig)
-        if f.metadata.get("flag", True) and (f.metadata.get("plan") or not plan)
-    }
+    out = {}
+    for f in fields(TrainConfig):
+        meta = f.metadata
+        if meta.get("flag", True) and (meta.get("plan") or not plan):
+            own = plan and isinstance(meta.get("plan"), str)  # a help of its own under plan
+            out[f.name] = (str(f.type), meta["plan"] if own else meta["help"])
+    return out
 
 
 def add_flags(p: argparse.ArgumentParser, plan: bool = False) -> None:

@@ -12,10 +12,12 @@ nothing it made, except checkpoints it can resume from.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
 import signal
+import tempfile
 import time
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -26,12 +28,21 @@ import numpy as np
 from mlx.utils import tree_map
 
 from ..plan import MIB, PlanError
-from ..walk import Window, apply_step, arch, budget, exact_gradient, train_window, window_loss
+from ..walk import (
+    Window,
+    apply_step,
+    arch,
+    budget,
+    exact_gradient,
+    machine,
+    train_window,
+    window_loss,
+)
 from ..walk.guards import NonFinite
 from ..walk.store import check_cache_type
 from . import adapters, data, models, report, samples, windows
 from .config import TrainConfig
-from .files import NewFolder, sweep
+from .files import TMP_MARK, FolderLock, NewFolder, save_safetensors, sweep
 from .ranks import Ranks, StepSum, reduce_step, weighs
 from .runfolder import Position, RunFolder, identity
 from .watch import Watch
@@ -53,18 +64,6 @@ class Epoch:
     smallest_horizon: int | None = None  # the narrowest horizon one of them used
 
 
-def max_positions(model) -> int | None:
-    args = getattr(model, "args", None)
-    for source in (args, getattr(args, "text_config", None)):
-        if isinstance(source, dict):
-            value = source.get("max_position_embeddings")
-        else:
-            value = getattr(source, "max_position_embeddings", None)
-        if isinstance(value, int):
-            return value
-    return None
-
-
 def writable(folder: Path) -> Path:
     """The adapter folder, checked writable before any training (and not created yet, so a run
     refused later leaves nothing behind)."""
@@ -74,6 +73,35 @@ def writable(folder: Path) -> Path:
     if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
         raise PlanError(f"adapter path {folder} is not writable ({probe} is not a writable folder)")
     return folder
+
+
+class WriteFailed(PlanError):
+    """A write the run could not make (a full disk), said with what of the run is kept."""
+
+
+def try_write(folder: Path) -> None:
+    """Write and remove a small safetensors file in the run's folder through the very calls that
+    will write its checkpoints, so a folder they can't write is refused before any training."""
+    probe = folder / f".write-check{TMP_MARK}{os.getpid()}.safetensors"
+    try:
+        save_safetensors(probe, {"check": mx.zeros((1,))})
+    except (OSError, RuntimeError) as e:
+        raise PlanError(f"adapter path {folder} can't be written ({e})") from None
+    finally:
+        probe.unlink(missing_ok=True)
+
+
+def refuse_overlap(out: Path, model: Path, data_folder: Path) -> None:
+    """An adapter path that is the model's or the data's folder (or holds or sits in them)."""
+    mine = out.resolve()
+    for what, other in (("model", model), ("data", data_folder)):
+        theirs = Path(other).resolve()
+        if mine == theirs or theirs in mine.parents:
+            raise PlanError(f"adapter path {out} is inside the {what} folder {other}; choose "
+                            "another --adapter-path")  # fmt: skip
+        if mine in theirs.parents:
+            raise PlanError(f"adapter path {out} holds the {what} folder {other}; choose "
+                            "another --adapter-path")  # fmt: skip
 
 
 def make_optimizer(cfg: TrainConfig, steps: int):
@@ -115,15 +143,29 @@ class Run:
             raise PlanError("--walk plain steps once per chunk; across ranks only the exact "
                             "walk's steps combine")  # fmt: skip
         self.out = writable(Path(cfg.adapter_path or default_path(cfg.model)))
+        data_folder = data.check_folder(cfg.data) if cfg.data else samples.folder()
+        refuse_overlap(self.out, models.resolve(cfg.model), data_folder)
         self.folder = RunFolder(self.out)
+        self.made, self.lock = NewFolder(self.out), FolderLock(self.out)
+        if self.ranks.leader:  # the folder is this run's from here until it ends
+            self.made.make()
+            self.lock.acquire()
+        try:
+            self._setup(cfg, data_folder)
+        except BaseException:
+            self.release(keep=False)
+            raise
+
+    def _setup(self, cfg: TrainConfig, data_folder: Path) -> None:
+        echo = self.echo
         if self.ranks.leader:
             self.folder.claim(cfg.overwrite, cfg.resume)
-        data_folder = data.check_folder(cfg.data) if cfg.data else samples.folder()
+            try_write(self.out)
         self.model, self.tokenizer = models.load(cfg.model)
         fingerprint = models.fingerprint(self.model)
         self.layout = arch.inspect(self.model)
         check_cache_type(cfg.cache_type, self.layout.head_dims)
-        self.limit = max_positions(self.model)
+        self.limit = models.max_positions(self.model)
         if cfg.window is not None and self.limit is not None and cfg.window > self.limit:
             raise PlanError(
                 f"--window {cfg.window} exceeds the model's maximum positions ({self.limit})"
@@ -137,6 +179,7 @@ class Run:
         self.optimizer.init(self.model.trainable_parameters())
         self.position = Position()
         self.peak = 0
+        self.cfg = cfg = self._default_budget(cfg)
         self.watch = Watch(cfg, self.layout.vocab, echo)
         self.streak = 0  # non-finite windows in a row (--on-nan skip)
         self.nan: NonFinite | None = None  # what this rank's non-finite window said
@@ -144,6 +187,7 @@ class Run:
         self.undo = None  # (position, adapter and optimizer state) at the window's start
         self.partial: Epoch | None = None  # the epoch row of a run stopped by --iters
         self.bar = None
+        self.rescued: Path | None = None  # where a failed write's adapter went instead
         if cfg.optimizer != "sgd" and cfg.lr > LR_WARN:
             echo(f"warning: --lr {cfg.lr:g} is far above what Adam trains LoRA with (1e-6 to "
                  "1e-3); expect the loss to diverge")  # fmt: skip
@@ -154,6 +198,22 @@ class Run:
         self.identity = identity(cfg, model_path, fingerprint, files, self.window)
         self.identity.update(ranks=self.ranks.size, windows_per_step=cfg.windows_per_step)
         self.resumed_from = self._resume() if cfg.resume else None
+
+    def release(self, keep: bool) -> None:
+        """The folder's lock dropped at the run's end; unless `keep`, the folders the run made
+        removed as long as they hold nothing."""
+        self.lock.release()
+        if not keep:
+            self.made.discard()
+
+    def _default_budget(self, cfg: TrainConfig) -> TrainConfig:
+        """On a GPU with no --memory-budget-mib, the exact walk keeps to what MLX reports the
+        GPU may use (machine.py), and the run says so."""
+        budget_mib, memory = machine.default_budget_mib(cfg.memory_budget_mib)
+        if memory is None or cfg.walk != "exact":
+            return cfg
+        self.echo(f"memory budget: {memory.said()}, as no --memory-budget-mib is given")
+        return replace(cfg, memory_budget_mib=budget_mib)
 
     def _admit(self):
         """The exact walk's plan for the largest window, and under a memory budget its estimate
@@ -228,9 +288,14 @@ class Run:
         )
 
     def train(self) -> dict:
-        made = NewFolder(self.out)
+        self.keep = True  # `fail` clears it when the run leaves nothing worth keeping
+        try:
+            return self._train()
+        finally:
+            self.release(keep=self.keep)
+
+    def _train(self) -> dict:
         if self.ranks.leader:
-            made.make()
             sweep(self.out)
             if self.cfg.overwrite:
                 self.folder.set_aside()
@@ -241,13 +306,30 @@ class Run:
                       f"window {self.position.windows})")  # fmt: skip
         try:
             self.loop()
+            if self.ranks.leader:
+                adapters.save(self.model, self.out, self.cfg.lora())
+            return self.finish()
         except BaseException as e:
             if self.ranks.leader:
-                self.fail(e, made)
+                self.fail(e)
+            if isinstance(e, OSError):  # a write that failed: said with what is kept, and where
+                raise WriteFailed(self.lost_write(e)) from None
             raise
-        if self.ranks.leader:
-            adapters.save(self.model, self.out, self.cfg.lora())
-        return self.finish()
+
+    def lost_write(self, e: OSError) -> str:
+        """What a failed write means to the user: which path, and what of the run is kept."""
+        where = e.filename or self.out
+        said = (f"no space left on {where}" if e.errno == errno.ENOSPC
+                else f"can't write {where} ({e.strerror or e})")  # fmt: skip
+        saved = self.folder.complete()
+        if saved:
+            return (f"{said}; checkpoint {saved[-1]} is intact: once that is mended, run the same "
+                    f"command with --resume --adapter-path {self.out}")  # fmt: skip
+        if self.rescued:
+            return f"{said}; the adapter trained so far is saved to {self.rescued} instead"
+        if self.position.windows:
+            return f"{said}; the adapter trained so far could not be saved elsewhere either"
+        return f"{said}; nothing had been trained yet, and nothing was kept"
 
     def loop(self) -> None:
         cfg, total = self.cfg, self.total
@@ -476,14 +558,14 @@ class Run:
         self.folder.drop_aside()  # --overwrite: the new run now stands on its own
         return saved
 
-    def fail(self, error: BaseException, made: NewFolder) -> None:
+    def fail(self, error: BaseException) -> None:
         """On the way out: a Ctrl-C saves what was trained and says how to go on; a run with no
         checkpoint leaves nothing behind (and puts back a run it was to --overwrite). A second
         Ctrl-C or a SIGTERM waits until this is done."""
         with shielded():
-            self._fail(error, made)
+            self._fail(error)
 
-    def _fail(self, error: BaseException, made: NewFolder) -> None:
+    def _fail(self, error: BaseException) -> None:
         if isinstance(error, KeyboardInterrupt):
             if self.undo is not None and self.position is self.undo[0]:  # mid-window: undone
                 self.restore(self.undo[1])
@@ -495,12 +577,24 @@ class Run:
                 error.args = (f"at window {done} of {self.total}; checkpoint {saved[-1]} holds "
                               f"it: to continue, run the same command with --resume "
                               f"--adapter-path {self.out}",)  # fmt: skip
+        if isinstance(error, OSError) and not self.folder.complete() and self.position.windows:
+            self.rescued = self.rescue()
         if not self.folder.complete():
             self.folder.clear()
             self.folder.put_back()
-            made.discard()
+            self.keep = False  # the folders it made go once the lock is dropped
             if isinstance(error, KeyboardInterrupt):
                 error.args = ("before the first window finished; nothing was saved",)
+
+    def rescue(self) -> Path | None:
+        """The adapter trained so far, saved outside the run's folder (which can't be written);
+        None when that fails too."""
+        try:
+            folder = Path(tempfile.mkdtemp(prefix="mlxwalk-rescued-"))
+            adapters.save(self.model, folder, self.cfg.lora())
+            return folder
+        except (OSError, RuntimeError, ValueError):
+            return None
 
     # --- the report ----------------------------------------------------------------------------
 

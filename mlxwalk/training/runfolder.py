@@ -21,7 +21,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ..plan import PlanError
 from . import adapters
-from .files import sweep, write_text
+from .files import load_safetensors, save_safetensors, sweep, write_text
 
 MANIFEST = "run.json"
 RUN_FILES = (MANIFEST, "adapters.safetensors", "adapter_config.json", "report.json", "loss.png")
@@ -216,9 +216,13 @@ class RunFolder:
         tmp = self.checkpoints / f".{final.name}.tmp-new"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        adapters.save(model, tmp, lora)
-        mx.save_safetensors(str(tmp / "optimizer.safetensors"), dict(tree_flatten(optimizer.state)))
-        write_text(tmp / "state.json", json.dumps({"run": self.run_id, **asdict(position)}))
+        try:
+            adapters.save(model, tmp, lora)
+            save_safetensors(tmp / "optimizer.safetensors", dict(tree_flatten(optimizer.state)))
+            write_text(tmp / "state.json", json.dumps({"run": self.run_id, **asdict(position)}))
+        except BaseException:  # a full disk: the half-made checkpoint goes, the others stay
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         # An end-of-epoch checkpoint can share its window count with the last periodic one: the
         # older moves aside first, so a crash at any point leaves only complete checkpoints.
         aside = self.checkpoints / f".{final.name}.tmp-old"
@@ -235,8 +239,8 @@ class RunFolder:
         """The newest checkpoint into `model` and `optimizer`, strictly; its position."""
         last = self.complete()[-1]
         try:
-            weights = mx.load(str(last / "adapters.safetensors"))
-            moments = mx.load(str(last / "optimizer.safetensors"))
+            weights = load_safetensors(last / "adapters.safetensors")
+            moments = load_safetensors(last / "optimizer.safetensors")
             state = json.loads((last / "state.json").read_text())
         except (RuntimeError, OSError, ValueError) as e:
             raise PlanError(f"--resume: checkpoint {last} can't be read ({e})") from None

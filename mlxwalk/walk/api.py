@@ -22,7 +22,7 @@ from .runner import ChunkRunner, walking
 def window_loss(model: nn.Module, window: Window, config: WalkConfig, layout=None) -> float:
     """The window's loss, decoded chunk by chunk with no gradient (for evaluation)."""
     runner = ChunkRunner(model, window, config, layout)
-    chunks = cut(window.weights.tolist(), runner.config.chunk, runner.config.follow_runs)
+    chunks = cut(window.labels, runner.config.chunk, runner.config.follow_runs)
     losses: list = []
     with walking(model, False):
         runner._new_store(chunks[-1].end)

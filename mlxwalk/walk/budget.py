@@ -148,7 +148,15 @@ def what_fits(layout, cache_type: str) -> str:
 
 
 def admit(est: Estimate, budget_bytes: int | None, what: str) -> None:
-    """Refuse, naming device memory and each part, when the walk's memory exceeds the budget."""
+    """Refuse, naming device memory and each part, when the walk's memory exceeds the budget;
+    when the model alone does, no setting of the walk can help, and the refusal says so."""
+    if budget_bytes is not None and est.weights + est.adapter > budget_bytes:
+        raise OutOfMemory(
+            f"device memory: the model's weights ({mib(est.weights)}) and the adapter with its "
+            f"optimizer state ({mib(est.adapter)}) alone exceed the memory budget of "
+            f"{mib(budget_bytes)}, before any window; a larger budget, or a smaller or quantized "
+            "model, would be needed"
+        )
     if budget_bytes is not None and est.total > budget_bytes:
         raise OutOfMemory(
             f"device memory: the walk needs {mib(est.total)} at least (weights "

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import mlx.core as mx
 import numpy as np
 
-from ..plan import MIB, PlanError
+from ..plan import MIB, Labels, PlanError
 from .accum import ACCUMULATOR_DTYPES
 from .store import check_cache_type
 
@@ -75,17 +76,42 @@ class Window:
 
     @classmethod
     def of(cls, inputs, targets, weights) -> Window:
-        x, y = np.asarray(inputs).reshape(-1), np.asarray(targets).reshape(-1)
-        w = np.asarray(weights, dtype=np.float32).reshape(-1)
+        """One window from three sequences of equal length (or rows of one), refusing what the
+        walk would get wrong: ids that are not integers or not int32, a batch of several rows,
+        negative or non-finite weights, nothing labelled."""
+        x, y = _ids("input", inputs), _ids("target", targets)
+        w = _row("weights", np.asarray(weights))
+        if not np.issubdtype(w.dtype, np.number) or np.issubdtype(w.dtype, np.complexfloating):
+            raise PlanError(f"weights must be real numbers, got {w.dtype}")
+        w = w.astype(np.float32)
         if not (len(x) == len(y) == len(w)):
             raise PlanError(
                 f"inputs, targets and weights differ in length ({len(x)}, {len(y)}, {len(w)})"
             )
+        if not np.isfinite(w).all():
+            raise PlanError("weights must be finite (a NaN or infinite weight makes the loss NaN)")
         if (w < 0).any():
             raise PlanError("weights must not be negative")
         if not (w > 0).any():
             raise PlanError("the window has no labelled position (every weight is 0)")
-        return cls(x.astype(np.int32), y.astype(np.int32), w)
+        return cls(x, y, w)
+
+    @classmethod
+    def labelled(cls, length: int) -> Window:
+        """A window of `length` positions, every one labelled, that holds no array of its length
+        (broadcast views): what `mlxwalk plan` and the budget's admission plan for."""
+        ids = np.broadcast_to(np.zeros((), np.int32), (length,))
+        window = cls(ids, ids, np.broadcast_to(np.ones((), np.float32), (length,)))
+        window.__dict__["labels"] = Labels.labelled(length)
+        return window
+
+    @cached_property
+    def labels(self) -> Labels:
+        """The weights as runs (the plan reads these, never a value per position)."""
+        w = self.weights
+        cuts = (np.flatnonzero(w[1:] != w[:-1]) + 1).tolist()
+        bounds = [0, *cuts, len(w)]
+        return Labels(len(w), tuple((a, b, float(w[a])) for a, b in zip(bounds, bounds[1:])))
 
     def __len__(self) -> int:
         return len(self.inputs)
@@ -100,3 +126,26 @@ class Window:
             mx.array(self.targets[start:end])[None],
             mx.array(self.weights[start:end])[None],
         )
+
+
+def _row(name: str, values: np.ndarray) -> np.ndarray:
+    """A window's sequence as one row: 1-D, or a batch of exactly one row."""
+    if values.ndim == 2 and values.shape[0] == 1:
+        return values[0]
+    if values.ndim != 1:
+        raise PlanError(
+            f"{name} must be one window (1-D, or one row), got shape {tuple(values.shape)}; "
+            "walk a batch's rows as windows of their own"
+        )
+    return values
+
+
+def _ids(name: str, values) -> np.ndarray:
+    """Token ids as int32, refused (as given) when not integers or beyond any vocabulary."""
+    ids = _row(f"{name}s", np.asarray(values))
+    if ids.size and not np.issubdtype(ids.dtype, np.integer):
+        raise PlanError(f"{name} token ids must be integers, got {ids.dtype}")
+    if ids.size and (ids.min() < 0 or ids.max() > np.iinfo(np.int32).max):
+        bad = ids[(ids < 0) | (ids > np.iinfo(np.int32).max)][0]
+        raise PlanError(f"{name} token id {int(bad)} is outside any vocabulary")
+    return ids.astype(np.int32)

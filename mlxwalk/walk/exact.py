@@ -52,7 +52,7 @@ class ExactWalk(ChunkRunner):
 
     def make_plan(self, host_budget: int | None):
         return plan_window(
-            self.window.weights.tolist(),
+            self.window.labels,
             self.config.chunk,
             self.layout.footprint(self.stem),
             horizon=self.config.horizon,
@@ -71,7 +71,7 @@ class ExactWalk(ChunkRunner):
             return None
         self.refuse_floor(device)
         self.acts = probe(self.model, self.config.chunk, self.config.recompute,
-                          self.config.attention)  # fmt: skip
+                          self.config.attention, reach=self.plan.chunks[-1].start)  # fmt: skip
         est = self.measure(self.plan)
         last = self.plan.chunks[-1]
         one_chunk = min(self.plan.chunk, last.start - last.grad_from)  # the fewest taps there are
@@ -247,13 +247,20 @@ class ExactWalk(ChunkRunner):
 
 
 def probe(
-    model, chunk: int, recompute: bool = False, attention: str = "auto"
+    model,
+    chunk: int,
+    recompute: bool = False,
+    attention: str = "auto",
+    reach: int | None = None,
+    echo=None,
 ) -> budget.Activations:
-    """One chunk's graph on this model (probe.py), measured by exact walks of its own."""
+    """One chunk's graph on this model (probe.py), measured by exact walks of its own over at
+    most `reach` positions of prefix (None: as far as the probe goes)."""
 
     def peak(ids: np.ndarray, n: int, horizon: int) -> int:
         config = WalkConfig(chunk=chunk, horizon=horizon, recompute=recompute, attention=attention)
         window = Window.of(ids[:n], ids[1 : n + 1], np.ones(n))
         return budget.live_peak(lambda: ExactWalk(model, window, config).run())
 
-    return probes.cached(model, chunk, recompute, attention, peak)
+    reach = probes.prefix_for(chunk, 1 << 62) if reach is None else reach
+    return probes.cached(model, chunk, recompute, attention, reach, peak, echo)

@@ -20,7 +20,7 @@ class PlainWalk(ChunkRunner):
     def run(self, step: Callable[[dict], None] | None = None) -> tuple[mx.array, dict]:
         """With `step`, one optimizer step per labelled chunk; the result's gradient is the sum of
         the chunks' gradients, each taken at the adapter that chunk saw."""
-        chunks = cut(self.window.weights.tolist(), self.config.chunk, self.config.follow_runs)
+        chunks = cut(self.window.labels, self.config.chunk, self.config.follow_runs)
         loss, grads = mx.array(0.0), None
         with walking(self.model, self.config.recompute, self.stem):
             self._new_store(chunks[-1].end)

@@ -1,8 +1,10 @@
 """The memory probe: one chunk's graph measured on the model itself, at the run's chunk size,
 since it depends on every layer's implementation. Three walks: a window of one chunk, then one
-whose last chunk reads a prefix two attention tiles long, tapped whole and over one chunk only;
-their peaks give the graph with no prefix and what each prefix position adds, tapped or not. Run
-only under a memory budget (the exact walk's `admit`), cached per `probe_key`."""
+whose last chunk reads a prefix two attention tiles long (or as long as the run's longest, if
+shorter), tapped whole and over one chunk only; their peaks give the graph with no prefix and what
+each prefix position adds, tapped or not. A run whose chunks read no prefix takes the first walk
+only. Run only under a memory budget (the exact walk's `admit`), cached per `probe_key`: a probe
+over a longer prefix serves every run that reads a shorter one."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from .budget import Activations
 # a walk's peak over ids[:n] at a horizon (0 = whole), less nothing: (ids, n, horizon) -> bytes
 Measure = Callable[[np.ndarray, int, int], int]
 
-_probes: dict[tuple, tuple[weakref.ref, Activations]] = {}
+_probes: dict[tuple, tuple[weakref.ref, int, Activations]] = {}
 
 
 def probe_key(model, chunk: int, recompute: bool, attention: str) -> tuple:
@@ -30,27 +32,43 @@ def probe_key(model, chunk: int, recompute: bool, attention: str) -> tuple:
     return id(model), chunk, recompute, attention, hash(trainable)
 
 
-def cached(model, chunk: int, recompute: bool, attention: str, peak: Measure) -> Activations:
-    """The probe for this key, measured with `peak` the first time (a probe belongs to the model
-    object it measured: an id is reused once its model is gone)."""
+def prefix_for(chunk: int, reach: int) -> int:
+    """The prefix the probe's longer walks read: two attention tiles, rounded up to whole
+    chunks, or the run's longest prefix `reach` (in whole chunks) when that is shorter."""
+    return min(chunk * -(-2 * TILE // chunk), reach // chunk * chunk)
+
+
+def cached(
+    model, chunk: int, recompute: bool, attention: str, reach: int, peak: Measure, echo=None
+) -> Activations:
+    """The probe for this key, measured with `peak` the first time or when the cached one read a
+    shorter prefix than this run reaches (a probe belongs to the model object it measured: an id
+    is reused once its model is gone). `echo` hears each walk as it starts."""
     key = probe_key(model, chunk, recompute, attention)
-    ref, acts = _probes.get(key, (None, None))
-    if ref is None or ref() is not model:
-        acts = measure(model, chunk, peak)
-        _probes[key] = (weakref.ref(model), acts)
+    far = prefix_for(chunk, reach)
+    ref, measured, acts = _probes.get(key, (None, -1, None))
+    if ref is None or ref() is not model or measured < far:
+        acts = measure(model, chunk, far, peak, echo)
+        _probes[key] = (weakref.ref(model), far, acts)
     return acts
 
 
-def measure(model, chunk: int, peak: Measure) -> Activations:
+def measure(model, chunk: int, far: int, peak: Measure, echo=None) -> Activations:
     layout = arch.inspect(model)
     width = layout.footprint().kv_width * 4
-    far = chunk * -(-2 * TILE // chunk)  # a prefix well past one attention tile
     ids = np.random.default_rng(0).integers(0, layout.vocab, chunk + far + 1)  # ids the model has
+    walks = [(chunk, 0)] + ([(chunk + far, 0), (chunk + far, chunk)] if far else [])
 
-    def graph(n: int, horizon: int = 0) -> float:  # less the store and accumulators of n positions
+    def graph(i: int) -> float:  # less the store and accumulators of n positions
+        n, horizon = walks[i]
+        if echo is not None:
+            echo(f"  measuring one chunk's graph: walk {i + 1} of {len(walks)}, {n:,} positions")
         return peak(ids, n, horizon) - 2 * n * width
 
-    one, whole, narrow = graph(chunk), graph(chunk + far), graph(chunk + far, chunk)
+    one = graph(0)
+    if not far:  # no chunk of the run reads a prefix
+        return Activations(chunk, one, 0.0, 0.0)
+    whole, narrow = graph(1), graph(2)
     tap = max(0.0, (whole - narrow) / ((far - chunk) * width)) if far > chunk else 0.0
     prefix = max(0.0, (narrow - one) / (far * width) - tap * chunk / far)
     if far == chunk:  # one chunk of prefix: taps and prefix can't be told apart

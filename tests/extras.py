@@ -1,0 +1,30 @@
+"""Optional dependencies: a test that needs one is skipped, with the install that brings it, on a
+machine that lacks it (the README's `pip install -e ".[test]"` brings no torch)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+TORCH = ("torch", "transformers", "peft")
+
+
+def missing(*names: str) -> list[str]:
+    return [n for n in names if importlib.util.find_spec(n) is None]
+
+
+def why_torch() -> str:
+    gone = ", ".join(missing(*TORCH))
+    return f"the torch backend's tests need {gone}: pip install -e '.[torch]'"
+
+
+def needs_torch() -> None:
+    """Skip the calling test module unless the torch extra is installed."""
+    if missing(*TORCH):
+        pytest.skip(why_torch(), allow_module_level=True)
+
+
+def torch(test):
+    """A test that needs the torch extra (`needs_torch` for whole files); `-m torch` runs them."""
+    return pytest.mark.torch(pytest.mark.skipif(bool(missing(*TORCH)), reason=why_torch())(test))
