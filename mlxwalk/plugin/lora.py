@@ -22,10 +22,12 @@ import copy
 import math
 import sys
 import types
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
 from ..plan import PlanError
+from ..training.files import owned
 from ..training.ranks import Ranks
 from ..walk import WalkConfig, arch, machine
 from ..walk.store import check_cache_type
@@ -272,10 +274,7 @@ def reporting(o, callback=None) -> PrintCallback:
 
 def run(o, training_callback=None) -> None:
     """mlx_lm.lora's run with the walk as trainer; `training_callback` also gets the reports."""
-    import numpy as np
-    from mlx_lm.tuner.datasets import CacheDataset, load_dataset
 
-    from ..training import models
     from . import trainer
 
     refuse(o)
@@ -285,8 +284,20 @@ def run(o, training_callback=None) -> None:
                              strict_exact=bool(o.strict_exact)).check()  # fmt: skip
     ranks = Ranks.init()
     trainer.check(o, ranks=ranks.size)
-    if o.train and ranks.leader:
-        claim(o)
+    with owned(Path(o.adapter_path)) if o.train and ranks.leader else nullcontext():
+        if o.train and ranks.leader:
+            claim(o)
+        fine_tune(o, walk_config, ranks, training_callback)
+
+
+def fine_tune(o, walk_config, ranks: Ranks, training_callback=None) -> None:
+    """Train, test or both, as mlx_lm.lora's run does."""
+    import numpy as np
+    from mlx_lm.tuner.datasets import CacheDataset, load_dataset
+
+    from ..training import models
+    from . import trainer
+
     np.random.seed(o.seed)  # the data order, as mlx_lm.lora seeds it
     callback = reporting(o, training_callback) if o.train else None
     model, tokenizer = models.load(o.model, trust_remote_code=bool(o.trust_remote_code))

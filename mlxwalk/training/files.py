@@ -14,7 +14,8 @@ import shutil
 import socket
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
@@ -176,3 +177,17 @@ class FolderLock:
         fcntl.flock(self.fd, fcntl.LOCK_UN)
         os.close(self.fd)
         self.fd = None
+
+
+@contextmanager
+def owned(folder: Path) -> Iterator[Path]:
+    """`folder` for a run's life: made if missing, locked (FolderLock), and on the way out
+    unlocked and removed again if the run left it empty."""
+    made, lock = NewFolder(folder), FolderLock(folder)
+    made.make()
+    try:
+        lock.acquire()
+        yield Path(folder)
+    finally:
+        lock.release()
+        made.discard()
