@@ -1,0 +1,198 @@
+"""Block shapes of the chunk-attention kernels: one table per backend, one entry per (kernel,
+head dim, dtype), each with the reason it has that shape.
+
+METAL (the `.metal` bodies on Apple's 8x8 simdgroup matrices). A simdgroup owns 8 rows; the
+operands the threadgroup shares are staged once in threadgroup memory (32 KiB a threadgroup on
+Apple GPUs) in the inputs' dtype, so float16 and bfloat16 share a shape ("half" below) and
+float32 has its own. Staged rows are padded by 16 bytes (`pad` elements) so that the rows of a
+block do not start on the same threadgroup-memory bank.
+  forward, dq: a threadgroup owns `rows` query rows of one (batch, head) and walks the keys in
+    blocks of `walk`; every K/V block is read from device memory once per threadgroup, so each
+    K/V element ceil(L / rows) times per query head. Q (and dQ's dO) staged once, O (dQ) in
+    registers as D / 8 float tiles a simdgroup.
+  dkdv: a threadgroup owns `rows` key rows of one (batch, kv head) and walks every query of its
+    grouped heads in blocks of `walk`; every Q/dO block is read once per threadgroup, so each
+    Q/dO element at most ceil(keys / rows) times. `split` simdgroups share 8 key rows, each
+    holding 64 of the head dims of K, V, dK and dV in registers (64 floats a lane at every head
+    dim), their partial scores summed through threadgroup memory.
+
+CUDA entries, for the tensor-core kernels, go under names of their own (`CUDA...`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+THREADGROUP_MEMORY = 32768  # bytes a threadgroup may use on Apple GPUs
+KERNELS = ("forward", "dq", "dkdv")
+
+
+@dataclass(frozen=True)
+class MetalBlocks:
+    rows: int  # rows a threadgroup owns: queries (forward, dq) or keys (dkdv), 8 a simdgroup
+    walk: int  # rows of the other side staged per step: keys (forward, dq), queries (dkdv)
+    pad: int  # elements appended to each staged row
+    split: int  # simdgroups per 8 owned rows, each with 1 / split of the head dims (dkdv)
+    why: str
+
+    @property
+    def simdgroups(self) -> int:
+        return self.rows // 8 * self.split
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.simdgroups
+
+
+def _m(rows: int, walk: int, pad: int, why: str, split: int = 1) -> MetalBlocks:
+    return MetalBlocks(rows, walk, pad, split, why)
+
+
+# (kernel, head dim, "half" | "float") -> shape. The bytes in each reason are threadgroup memory.
+METAL: dict[tuple[str, int, str], MetalBlocks] = {
+    ("forward", 64, "half"): _m(64, 32, 8, "Q 64 + K, V 32 rows of 144 B: 18 KiB; 64 query rows "
+                                "read K/V half as often as 32 (8 simdgroups, O 16 floats a lane)"),
+    ("forward", 128, "half"): _m(64, 16, 8, "Q 64 + K, V 16 rows of 272 B: 25.5 KiB; 64 rows keep "
+                                 "K/V reads at L/64 (O 32 floats a lane), 16 keys a step to fit"),
+    ("forward", 256, "half"): _m(32, 8, 8, "Q 32 + K, V 8 rows of 528 B: 24.8 KiB; O is 64 floats "
+                                 "a lane at 256, so 4 simdgroups as MLX's steel_attention"),
+    ("forward", 64, "float"): _m(64, 16, 4, "Q 64 + K, V 16 rows of 272 B: 25.5 KiB; rows as the "
+                                 "half shape, half the keys a step for 4-byte rows"),
+    ("forward", 128, "float"): _m(32, 8, 4, "Q 32 + K, V 8 rows of 528 B: 24.8 KiB; a 64-row Q "
+                                  "alone would take 33 KiB"),
+    ("forward", 256, "float"): _m(8, 8, 4, "Q 8 + K, V 8 rows of 1,040 B: 24.4 KiB; 16 query "
+                                  "rows would need 33 KiB, so one simdgroup"),
+    ("dq", 64, "half"): _m(64, 32, 8, "Q, dO 64 + K, V 32 rows of 144 B: 27 KiB; K/V read L/64 "
+                           "times (dQ 16 floats a lane)"),
+    ("dq", 128, "half"): _m(32, 16, 8, "Q, dO 32 + K, V 16 rows of 272 B: 25.5 KiB; Q and dO "
+                            "both staged double the query side against the forward"),
+    ("dq", 256, "half"): _m(16, 8, 8, "Q, dO 16 + K, V 8 rows of 528 B: 24.8 KiB; "
+                            "metal-flash-attention's 16 rows at 256 (dQ 64 floats a lane)"),
+    ("dq", 64, "float"): _m(32, 16, 4, "Q, dO 32 + K, V 16 rows of 272 B: 25.5 KiB"),
+    ("dq", 128, "float"): _m(16, 8, 4, "Q, dO 16 + K, V 8 rows of 528 B: 24.8 KiB"),
+    ("dq", 256, "float"): _m(8, 8, 0, "Q, dO, K, V 8 rows each of 1 KiB fill 32 KiB exactly: "
+                             "no room for padding (float32 at 256 only)"),
+    ("dkdv", 64, "half"): _m(32, 32, 8, "K, V, dK, dV in registers (64 floats a lane); Q, dO 32 "
+                             "rows of 144 B + lse, delta: 9.3 KiB; Q/dO read keys/32 times"),
+    ("dkdv", 128, "half"): _m(32, 16, 8, "2 simdgroups per 8 keys (64 dims each); Q, dO 16 rows "
+                              "of 272 B + partial scores 8 KiB: 16.6 KiB", split=2),
+    ("dkdv", 256, "half"): _m(16, 16, 8, "4 simdgroups per 8 keys; Q, dO 16 rows of 528 B + "
+                              "partial scores 8 KiB: 24.6 KiB; 32 keys would need 16 simdgroups",
+                              split=4),
+    ("dkdv", 64, "float"): _m(32, 32, 4, "Q, dO 32 rows of 272 B + lse, delta: 17.3 KiB"),
+    ("dkdv", 128, "float"): _m(32, 16, 4, "Q, dO 16 rows of 528 B + partial scores 8 KiB: "
+                               "24.6 KiB", split=2),
+    ("dkdv", 256, "float"): _m(16, 8, 4, "Q, dO 8 rows of 1,040 B + partial scores 4 KiB: "
+                               "20.3 KiB", split=4),
+}  # fmt: skip
+
+METAL_DIMS = tuple(sorted({dim for _, dim, _ in METAL}))
+
+
+def width(dtype: mx.Dtype) -> str:
+    """The staging width of a dtype: the kernels stage operands in the inputs' dtype."""
+    return "float" if dtype == mx.float32 else "half"
+
+
+def metal(kernel: str, dim: int, dtype: mx.Dtype) -> MetalBlocks:
+    return METAL[(kernel, dim, width(dtype))]
+
+
+def metal_threadgroup_bytes(kernel: str, dim: int, dtype: mx.Dtype) -> int:
+    """Threadgroup memory of a Metal kernel as its body declares it."""
+    b = metal(kernel, dim, dtype)
+    row = (dim + b.pad) * (4 if width(dtype) == "float" else 2)
+    if kernel == "forward":  # Q, K, V
+        return (b.rows + 2 * b.walk) * row
+    if kernel == "dq":  # Q, dO, K, V
+        return (2 * b.rows + 2 * b.walk) * row
+    # Q, dO, lse, delta; the partial scores and dP (one float where unsplit)
+    partial = 2 * b.simdgroups * 8 * b.walk if b.split > 1 else 1
+    return 2 * b.walk * row + (2 * b.walk + partial) * 4
+
+
+# CUDA: the tensor-core kernels (`*_tc.cu`, float16/bfloat16 inputs; float32 stays on the scalar
+# `.cu` twins) on an H200 (Hopper, sm_90: 132 SMs, 227 KiB of shared memory a block and 228 KiB
+# an SM, 64K 32-bit registers an SM, 255 a thread). A warp owns `mt` m-tiles of 16 rows; the
+# block stages the other side in tiles of `walk` rows, double buffered through cp.async, rows
+# padded by 16 bytes (8 elements). Reasons below count registers a thread (accumulators are
+# float32: a 16 x 8 C fragment is 4 a lane) and shared memory a block. float16 and bfloat16 share
+# every shape (same size, same products). The goal is two resident blocks (8 warps) an SM where
+# registers allow, enough to cover one block's barrier and cp.async waits with the other's
+# products; shared memory and registers then bound everything else.
+#   forward, dq: a block owns 16 mt warps rows of one (batch, head) and walks its keys;
+#   dkdv: a block owns 16 warps / split key rows of one (batch, kv head) and walks every query of
+#     its grouped heads; split = 2 pairs two warps on 16 key rows, each holding half of D of dK
+#     and dV (P^T and dS^T swapped through shared memory, no score computed twice).
+@dataclass(frozen=True)
+class CudaBlocks:
+    warps: int  # warps a block
+    mt: int  # m-tiles of 16 rows a warp owns (forward, dq; dkdv: 1)
+    walk: int  # rows of the other side a tile: keys (forward, dq), queries (dkdv)
+    regs: bool  # the first products' A operand in registers (Q; dq: Q and dO; dkdv: K and V)
+    split: int  # dkdv: warps sharing 16 key rows, each with D / split of dK and dV
+    why: str
+
+    @property
+    def rows(self) -> int:
+        """Rows a block owns: queries (forward, dq) or keys (dkdv)."""
+        return 16 * self.mt * self.warps // self.split
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+
+def _c(warps: int, mt: int, walk: int, regs: bool, why: str, split: int = 1) -> CudaBlocks:
+    return CudaBlocks(warps, mt, walk, regs, split, why)
+
+
+# (kernel, head dim) -> shape, for float16 and bfloat16 alike.
+CUDA: dict[tuple[str, int], CudaBlocks] = {
+    ("forward", 64): _c(4, 2, 64, True, "128 query rows, 32 a warp: each K/V fragment read "
+                        "from shared memory feeds 2 m-tiles (half the ldmatrix traffic of 16 "
+                        "rows); O 32 + S 32 + Q 16 registers: Q kept in registers; Q 18 + K/V "
+                        "2 x 18 KiB = 54 KiB: 3 blocks an SM (FlashAttention-2: 128 x 128)"),
+    ("forward", 128): _c(4, 2, 64, False, "128 query rows, 32 a warp (FlashAttention-2's "
+                         "128 x 64 on H100); O 64 + S 32 registers leave no room for Q (it is "
+                         "read from shared memory each k-step); Q 34 + K/V 2 x 34 KiB = 102 KiB: "
+                         "2 blocks an SM"),
+    ("forward", 256): _c(4, 1, 32, False, "64 query rows, 16 a warp: O alone is 128 "
+                         "registers; K/V tiles of 32 keys, double buffered: Q 33 + 2 x 33 KiB = "
+                         "99 KiB, 2 blocks an SM (FlashAttention-2 runs 64 x 64 single-buffered "
+                         "on H100 for the same reason)"),
+    ("dq", 64): _c(4, 2, 64, False, "128 query rows, 32 a warp; dQ 32 + S 32 + dP 32 "
+                   "registers; Q, dO 36 + K/V 2 x 18 KiB = 72 KiB: 2-3 blocks an SM"),
+    ("dq", 128): _c(4, 2, 32, False, "128 query rows, 32 a warp (K/V fragments feed 2 m-tiles); "
+                    "dQ 64 + S 16 + dP 16 registers, so 32 keys a tile; Q, dO 68 + K/V 2 x 17 "
+                    "KiB = 102 KiB: 2 blocks an SM"),
+    ("dq", 256): _c(8, 1, 32, False, "128 query rows, 16 a warp: dQ alone is 128 registers; "
+                    "Q, dO 132 + K/V 2 x 33 KiB = 198 KiB: one block of 8 warps an SM (64 rows "
+                    "would still hold one block, with 4 warps)"),
+    ("dkdv", 64): _c(4, 1, 64, True, "64 key rows, 16 a warp; dK, dV 32 + S^T, dP^T 32 + K, V "
+                     "16 registers (kept); K, V 18 + Q/dO 2 x 36 KiB + lse, delta = 55 KiB: "
+                     "3 blocks an SM"),
+    ("dkdv", 128): _c(4, 1, 64, False, "64 key rows, 16 a warp; dK, dV 64 + S^T, dP^T 32 "
+                      "registers (K and V read from shared memory each k-step); K, V 34 + "
+                      "Q/dO 2 x 68 KiB = 103 KiB: 2 blocks an SM"),
+    ("dkdv", 256): _c(8, 1, 64, False, "64 key rows, 2 warps on each 16 (split: dK, dV 2 x 64 "
+                      "registers for 128 columns; each warp scores 32 of the 64 queries over "
+                      "all 256 dims); K, V 66 + Q/dO 2 x 66 + swap 16 KiB = 215 KiB: one block "
+                      "of 8 warps an SM", split=2),
+}  # fmt: skip
+
+CUDA_DIMS = tuple(sorted({dim for _, dim in CUDA}))
+
+
+def cuda_shared_bytes(kernel: str, dim: int, b: CudaBlocks, itemsize: int = 2) -> int:
+    """Shared memory of a tensor-core kernel as its body carves it (rows of dim + 8 elements)."""
+    row = (dim + 8) * itemsize
+    if kernel == "forward":  # Q, K and V twice
+        return (b.rows + 4 * b.walk) * row
+    if kernel == "dq":  # Q, dO, K and V twice
+        return (2 * b.rows + 4 * b.walk) * row
+    # K, V; Q, dO, lse and delta twice; the pairs' swapped fragments (split)
+    swap = b.warps * 2 * (b.walk // b.split // 16) * 4 * 32 * 4 if b.split > 1 else 0
+    return 2 * b.rows * row + 4 * b.walk * row + 4 * b.walk * 4 + swap
