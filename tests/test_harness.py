@@ -322,8 +322,10 @@ def test_counters_catch_operands_read_per_simdgroup():
 
 def test_counters_on_the_attention_forward():
     """The counting build runs the project's kernels unchanged: the same outputs, every output
-    byte written once, one simdgroup barrier to stage each row and two per 32 keys."""
+    byte written once, the traffic, products and barriers of the design (traffic.py), the
+    threadgroup memory of its block table, no simdgroup barrier (loads are per lane)."""
     import metal_kernels.attention as attention_kernels
+    from metal_kernels.attention import blocks, traffic
 
     mx.random.seed(0)
     q, k = mx.random.normal((1, 2, 8, 64)), mx.random.normal((1, 1, 8, 64))
@@ -333,9 +335,13 @@ def test_counters_on_the_attention_forward():
     for got, want in zip(outputs, plain):
         np.testing.assert_array_equal(got, want)
     assert counts["device_write_bytes"] == sum(a.nbytes for a in outputs)
-    assert counts["simdgroup_barriers"] == 16 * (1 + 2)  # 16 rows, 8 keys each: one tile
-    assert counts["threadgroup_memory_bytes"] == attention_kernels.ROWS * (64 + 32) * 4
-    assert counts["mma"] == counts["barriers"] == 0
+    design = traffic.traffic("forward", traffic.Shape(1, 2, 1, 8, 0, 0, 64, q.dtype, q.dtype))
+    assert counts["device_read_bytes"] == design.device_read_bytes
+    assert counts["mma"] == design.mma == 2 * 2 * 8  # per head: Q K^T and P V, 8 dim tiles
+    assert counts["barriers"] == design.barriers == 2 * 2  # per head: one block of keys
+    assert counts["simdgroup_barriers"] == 0
+    tg = blocks.metal_threadgroup_bytes("forward", 64, mx.float32)
+    assert counts["threadgroup_memory_bytes"] == tg
 
 
 def test_threadgroup_memory_past_32_kib_is_refused():

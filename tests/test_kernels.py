@@ -4,10 +4,12 @@ compiles it with g++ and runs it, and every output is compared with the ops twin
 import zipfile
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 import metal_kernels.attention as attention_kernels
 from metal_kernels import harness
+from metal_kernels.attention import blocks, traffic
 from mlxwalk.ops import routing
 from mlxwalk.ops.attention import Prefix, check, chunk_attention, path
 from mlxwalk.plan import PlanError
@@ -15,23 +17,46 @@ from mlxwalk.plan import PlanError
 F32 = 1e-5  # float32: the kernels accumulate in float32 like the twin, in another order
 
 
+# Every head dim, and each grouped-query ratio 1-8 at least once; 45 queries and a prefix of 100
+# are multiples of no block; two kv heads in the first case at 128 and at 256.
 @pytest.mark.parametrize(
-    "dim, groups", [(64, 1), (64, 7), (128, 2), (128, 8), (256, 4), (256, 3), (64, 5), (128, 6)]
-)
-def test_float32_kernels_match_the_twin(on_harness, dim, groups):
-    sizes = check.Sizes(chunk=40, start=70, grad_from=25)
+    "dim, groups, kv_heads",
+    [(64, 5, 1), (64, 6, 1), (64, 7, 1), (64, 8, 1), (128, 1, 2), (128, 2, 1), (128, 4, 1),
+     (256, 1, 2), (256, 3, 1)],
+)  # fmt: skip
+def test_float32_kernels_match_the_twin(on_harness, dim, groups, kv_heads):
+    sizes = check.Sizes(kv_heads=kv_heads, chunk=45, start=100, grad_from=37)
     case = routing.Case("metal", mx.float32, dim, groups)
     for name, (kernel_error, _) in check.errors(case, sizes).items():
         assert kernel_error < F32, name
 
 
-@pytest.mark.parametrize("dtype, store", [(mx.float16, mx.float16), (mx.bfloat16, mx.float32)])
-def test_half_precision_within_the_twins_own_error(on_harness, dtype, store):
-    """In float16/bfloat16 (with a float32 store for the mixed case) the kernels' error against
-    the float32 reference is no worse than the twin's own in that dtype."""
-    case = routing.Case("metal", dtype, 64, 2)
-    for name, (kernel_error, twin_error) in check.errors(case, check.Sizes(), store).items():
+@pytest.mark.parametrize(
+    "dtype, store, dim, groups",
+    [(mx.float16, mx.float16, 64, 2), (mx.bfloat16, mx.float32, 128, 3),
+     (mx.bfloat16, mx.float16, 256, 2)],
+)  # fmt: skip
+def test_half_precision_within_the_twins_own_error(on_harness, dtype, store, dim, groups):
+    """In float16/bfloat16 (with a store of another dtype in the mixed cases) the kernels' error
+    against the float32 reference is no worse than the twin's own in that dtype."""
+    case = routing.Case("metal", dtype, dim, groups)
+    sizes = check.Sizes(kv_heads=1, chunk=40, start=70, grad_from=25)
+    for name, (kernel_error, twin_error) in check.errors(case, sizes, store).items():
         assert kernel_error <= 1.5 * twin_error + 1e-6, name
+
+
+@pytest.mark.parametrize("store_batch", [2, 1])
+def test_a_batch_over_its_own_store_or_a_shared_one(on_harness, store_batch):
+    """Two sequences: each over its own rows of the store, or both over one store row."""
+    mx.random.seed(2)
+    q, d_out = mx.random.normal((2, 4, 21, 64)), mx.random.normal((2, 4, 21, 64))
+    k, v = mx.random.normal((2, 2, 2, 21, 64))
+    keys, values = mx.random.normal((2, store_batch, 2, 60, 64))
+    x = {"q": q, "k": k, "v": v, "prefix": Prefix(check.Store(keys, values), 0, 50, mx.float32),
+         "grad_from": 19, "scale": 0.125, "d_out": d_out}  # fmt: skip
+    got, want = check.through("kernel", x), check.through("twin", x)
+    for name in check.OUTPUTS:
+        assert check.relative_error(got[name], want[name]) < F32, name
 
 
 def test_no_prefix_and_untapped_prefix(on_harness):
@@ -159,10 +184,12 @@ def test_mlx_renders_every_metal_kernel(dim):
         forward,
         *attention_kernels.backward_launches(q, k, k, pk, pk, 10, 4, 0.1, lse, delta, q),
     ]
-    for call in launches:
+    for call, kind in zip(launches, blocks.KERNELS):
         source = harness.render(call)
         assert "[[kernel]] void custom_kernel_" + call.spec.name in source
-        assert f"<bfloat16_t, float16_t, {dim}, {attention_kernels.ROWS}>" in source
+        g = blocks.metal(kind, dim, mx.bfloat16)
+        split = f", {g.split}" if kind == "dkdv" else ""
+        assert f"<bfloat16_t, float16_t, {dim}, {g.rows}, {g.walk}, {g.pad}{split}>" in source
         for name in call.spec.inputs + call.spec.outputs:
             assert f"* {name} [[buffer(" in source
 
@@ -190,16 +217,8 @@ def test_the_wheel_carries_the_kernel_sources(tmp_path):
     assert "metal_kernels/build.py" in names
 
 
-@pytest.mark.parametrize(
-    "stem, old, new, broken",  # broken: the output the mutation must show in
-    [
-        ("attention/dq", "- delta_i)", ")", "dq"),  # dS without the rowsum term
-        ("attention/forward", "nk = START + i + 1", "nk = START + L", "out"),  # not causal
-        ("attention/dkdv", "first = c - NT;", "first = 0;", "dk"),  # causality lost in dK/dV
-    ],
-)
-def test_the_harness_catches_a_broken_kernel(on_harness, monkeypatch, stem, old, new, broken):
-    """The comparisons can fail: each mutation of a Metal body shows as a large error."""
+def mutating(monkeypatch, stem: str, *edits: tuple[str, str]) -> None:
+    """The kernel `stem` (its body and header) with each (old, new) edit made."""
     from metal_kernels import build
 
     original = build.source
@@ -207,14 +226,35 @@ def test_the_harness_catches_a_broken_kernel(on_harness, monkeypatch, stem, old,
     def mutated(spec, backend):
         header, body = original(spec, backend)
         if spec.stem == stem:
-            assert old in body or old in header
-            body = body.replace(old, new)
+            for old, new in edits:
+                assert old in body or old in header, old
+                body, header = body.replace(old, new), header.replace(old, new)
         return header, body
 
     monkeypatch.setattr(build, "source", mutated)
     build.kernel.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "stem, old, new, broken, dim",  # broken: the output the mutation must show in
+    [
+        ("attention/dq", "- dl)", ")", "dq", 64),  # dS without the rowsum term
+        ("attention/forward", "const int sees = START + metal::min(r0 + fr, L - 1) + 1;",
+         "const int sees = START + L;", "out", 64),  # not causal within a simdgroup's rows
+        ("attention/dkdv", "(kc < NT || kc - NT <= i)", "(kc < NK)", "dk", 64),  # nor in dK/dV
+        ("attention/forward", "simd_shuffle_xor(x, 8)", "simd_shuffle_xor(x, 2)", "out",
+         64),  # a row's lanes taken from another layout
+        ("attention/dkdv", "(2 * (rg * SPLIT + p))", "(2 * sg)", "dk", 128),  # partners' parts
+        ("attention/dq", "0, KT) : 0;", "0, KT - 1) : 0;", "dq", 64),  # a key tile skipped
+    ],
+)  # fmt: skip
+def test_the_harness_catches_a_broken_kernel(on_harness, monkeypatch, stem, old, new, broken, dim):
+    """The comparisons can fail: each mutation of a Metal body shows as a large error."""
+    from metal_kernels import build
+
+    mutating(monkeypatch, stem, (old, new))
     try:
-        case = routing.Case("metal", mx.float32, 64, 2)
+        case = routing.Case("metal", mx.float32, dim, 2)
         errors = check.errors(case, check.Sizes(chunk=40, start=70, grad_from=25))
     finally:
         monkeypatch.undo()
@@ -222,16 +262,99 @@ def test_the_harness_catches_a_broken_kernel(on_harness, monkeypatch, stem, old,
     assert errors[broken][0] > 1e-2, errors
 
 
+def test_every_block_fits_a_threadgroup():
+    """Each shape of the table within an Apple GPU's 32 KiB of threadgroup memory (the harness
+    refuses more at run time, and the tests above run every entry) and 1,024 threads."""
+    for kind, dim, width in blocks.METAL:
+        dtype = mx.float32 if width == "float" else mx.float16
+        g = blocks.metal(kind, dim, dtype)
+        assert blocks.metal_threadgroup_bytes(kind, dim, dtype) <= blocks.THREADGROUP_MEMORY
+        assert g.rows % 8 == 0 and g.walk % 8 == 0 and dim % (8 * g.split) == 0
+        assert g.threads <= 1024, (kind, dim, width)
+
+
+def counted_launches(dtype=mx.float32, store=mx.float32, dim=64, heads=4, kv_heads=2):
+    """The three kernels over 37 queries and a prefix of 50 (30 of it tapped), and the shape
+    as traffic.py takes it."""
+    rng = np.random.default_rng(0)
+
+    def normal(*shape, dt=dtype):
+        return mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dt)
+
+    q, d_out = normal(1, heads, 37, dim), normal(1, heads, 37, dim)
+    k, v = normal(1, kv_heads, 37, dim), normal(1, kv_heads, 37, dim)
+    pk, pv = normal(1, kv_heads, 60, dim, dt=store), normal(1, kv_heads, 60, dim, dt=store)
+    lse, delta = normal(1, heads, 37, dt=mx.float32), normal(1, heads, 37, dt=mx.float32)
+    calls = [attention_kernels.forward_launch(q, k, v, pk, pv, 50, 0.1),
+             *attention_kernels.backward_launches(q, k, v, pk, pv, 50, 20, 0.1, lse, delta,
+                                                  d_out)]  # fmt: skip
+    shape = traffic.Shape(1, heads, kv_heads, 37, 50, 20, dim, dtype, store)
+    return dict(zip(blocks.KERNELS, calls)), shape
+
+
+@pytest.mark.parametrize(
+    "dtype, store, dim", [(mx.float32, mx.float32, 64), (mx.bfloat16, mx.float16, 128)]
+)
+def test_each_block_is_read_once_per_threadgroup(dtype, store, dim):
+    """The harness's counters equal traffic.py's design numbers (device bytes, products,
+    barriers, threadgroup memory), and the walked side is read within the reuse the blocks
+    promise: each K/V element at most ceil(L / BQ) times per query head in the forward and dq
+    (one simdgroup per row read it L times), each Q/dO element at most ceil(keys / BK) times
+    per query head in dK/dV."""
+    calls, shape = counted_launches(dtype, store, dim)
+    for kind, call in calls.items():
+        _, counts = harness.run(call, counters=True)
+        want = traffic.traffic(kind, shape)
+        for name in ("device_read_bytes", "device_write_bytes", "mma", "barriers"):
+            assert counts[name] == getattr(want, name), (kind, name)
+        tg = blocks.metal_threadgroup_bytes(kind, dim, dtype)
+        assert counts["threadgroup_memory_bytes"] == tg, kind
+        walked = counts["device_read_bytes"] - (want.device_read_bytes - want.kv_read_bytes)
+        assert walked <= want.kv_bound_bytes, kind
+
+
+@pytest.mark.parametrize(
+    "kind, stem, old, new",
+    [
+        ("forward", "attention/forward", "k_own, k0, START, kend, tid, THREADS",
+         "k_own, k0, START, kend, lane, 32"),  # each simdgroup stages K itself
+        ("dq", "attention/dq", "v_own, k0, START, kend, tid, THREADS",
+         "v_own, k0, START, kend, lane, 32"),  # each simdgroup stages V itself
+        ("dkdv", "attention/dkdv", "q0, L, tid, THREADS);\n    stage_rows<D>(tdo",
+         "q0, L, lane, 32);\n    stage_rows<D>(tdo"),  # each simdgroup stages Q itself
+    ],
+)  # fmt: skip
+def test_the_traffic_test_catches_a_block_read_per_simdgroup(monkeypatch, kind, stem, old, new):
+    """Each simdgroup loading a block from device memory itself computes the same outputs, but
+    reads past the bound above."""
+    from metal_kernels import build
+
+    calls, shape = counted_launches()
+    want = traffic.traffic(kind, shape)
+    plain = harness.run(calls[kind])
+    mutating(monkeypatch, stem, (old, new))
+    try:
+        outputs, counts = harness.run(calls[kind], counters=True)
+    finally:
+        monkeypatch.undo()
+        build.kernel.cache_clear()
+    for got, ref in zip(outputs, plain):
+        np.testing.assert_array_equal(got, ref)
+    walked = counts["device_read_bytes"] - (want.device_read_bytes - want.kv_read_bytes)
+    assert walked > want.kv_bound_bytes
+
+
 def test_no_small_input_meets_pointer_arithmetic():
     """MLX passes an input of fewer than 8 elements in Metal's `constant` address space; a body
     that offsets such a pointer into a `device` one compiles in the harness (address spaces are
-    defined away there) but not for an Apple GPU. Render every kernel at its smallest shapes."""
+    defined away there) but not for an Apple GPU. Render every kernel at its smallest shapes
+    (lse and delta in constant memory too) and, with libclang, check its address spaces."""
     import re
 
     import metal_kernels.delta as delta_kernels
 
     z = mx.zeros
-    q, k = z((1, 1, 1, 32)), z((1, 1, 1, 32))
+    q, k = z((1, 1, 1, 64)), z((1, 1, 1, 64))  # the smallest Metal head dim
     lse = delta = z((1, 1, 1))
     calls = [attention_kernels.forward_launch(q, k, k, None, None, 0, 0.1),
              *attention_kernels.backward_launches(q, k, k, None, None, 0, 0, 0.1, lse, delta, q),
@@ -245,3 +368,5 @@ def test_no_small_input_meets_pointer_arithmetic():
         body = source.split(") {", 1)[1]
         for name in re.findall(r"const constant \w+\* (\w+) \[\[buffer", source):
             assert not re.search(rf"\b{name} \+", body), (call.spec.name, name)
+        if harness.HAS_CLANG:  # nor meets a helper's `device` parameter
+            harness.check_address_spaces(call, source)

@@ -1,30 +1,77 @@
-// Shared by the chunk-attention kernels (Metal). A simdgroup owns one row (a query, or a key in
-// the dK/dV pass); its lanes own 32 rows of the other side for the scores and D/32 head dims
-// each for the accumulators, so no reduction runs per element, only two per 32 scores.
+// Shared by the chunk-attention kernels (Metal), which multiply 8x8 simdgroup matrices in float.
+// Operands come from threadgroup memory (staged once per threadgroup in the inputs' dtype) or
+// device memory; each lane loads only its own two elements of a matrix (Apple's layout, below)
+// and converts them to float, as MLX's steel kernels do, so no load is a simdgroup collective.
+// Scores are kept in the log2 domain: s * scale * log2(e), and exp2.
 
-// <a, r> over D head dims: a is a row staged in threadgroup memory, r a row in device memory.
-template <int D, typename X>
-inline float row_dot(const threadgroup float* a, const device X* r) {
-  float s = 0.0f;
-  for (int d = 0; d < D; ++d) {
-    s += a[d] * static_cast<float>(r[d]);
-  }
-  return s;
+constant constexpr float LOG2E = 1.4426950408889634f;
+constant constexpr float LN2 = 0.6931471805599453f;
+
+// Apple's element-to-lane map of an 8x8 simdgroup matrix: lane holds (row, col) and
+// (row, col + 1). A row's 8 values sit in the 4 lanes that differ in bits 0 and 3.
+inline ushort frag_row(ushort lane) {
+  return ((lane / 4) & 4) + (lane / 2) % 4;
+}
+inline ushort frag_col(ushort lane) {
+  return ((lane / 4) & 2) * 2 + (lane % 2) * 2;
 }
 
-// acc[t] += w * r[lane + 32 t]: a lane's head dims of a weighted row.
-template <int D, typename X>
-inline void row_axpy(thread float* acc, float w, const device X* r, uint lane) {
-  for (int t = 0; t < D / 32; ++t) {
-    acc[t] += w * static_cast<float>(r[lane + 32 * t]);
+// The 8x8 block at (r0, c0) of a row-major matrix with `ld` elements a row; `(r, c)` the
+// lane's frag_row, frag_col.
+template <typename X>
+inline void load_tile(thread simdgroup_float8x8& m, const threadgroup X* src, int ld, int r0,
+                      int c0, ushort r, ushort c) {
+  const int at = (r0 + r) * ld + c0 + c;
+  m.thread_elements() = float2(float(src[at]), float(src[at + 1]));
+}
+
+// The transpose of the 8x8 block at (c0, r0): element (i, j) is src[(c0 + j) * ld + r0 + i].
+template <typename X>
+inline void load_tile_t(thread simdgroup_float8x8& m, const threadgroup X* src, int ld, int r0,
+                        int c0, ushort r, ushort c) {
+  const int at = (c0 + c) * ld + r0 + r;
+  m.thread_elements() = float2(float(src[at]), float(src[at + ld]));
+}
+
+// Stage `rows` rows of D elements, row r0 + r of `src` (zeros from row `end`), in `dst` with
+// `ld` elements a row; every thread of the group takes every `threads`-th element, so
+// consecutive threads read consecutive elements.
+template <int D, typename T>
+inline void stage_rows(threadgroup T* dst, int ld, int rows, const device T* src, int r0, int end,
+                       uint tid, uint threads) {
+  for (uint e = tid; e < uint(rows * D); e += threads) {
+    const int r = e / D, c = e % D;
+    dst[r * ld + c] = r0 + r < end ? src[size_t(r0 + r) * D + c] : T(0.0f);
   }
 }
 
-// Stage a row in threadgroup memory (times `mul`), as float, lanes striding over head dims.
-template <int D, typename X>
-inline void row_stage(threadgroup float* dst, const device X* r, float mul, uint lane) {
-  for (int t = 0; t < D / 32; ++t) {
-    dst[lane + 32 * t] = static_cast<float>(r[lane + 32 * t]) * mul;
+// Stage key rows [k0, k0 + rows) of the window as T: below `start` from the store (its dtype S
+// converted, as the ops twin reads it), then the chunk's own rows, zeros from `end`.
+template <int D, typename T, typename S>
+inline void stage_keys(threadgroup T* dst, int ld, int rows, const device S* store,
+                       const device T* own, int k0, int start, int end, uint tid, uint threads) {
+  for (uint e = tid; e < uint(rows * D); e += threads) {
+    const int r = e / D, c = e % D, key = k0 + r;
+    T x = T(0.0f);
+    if (key < start) {
+      x = T(float(store[size_t(key) * D + c]));
+    } else if (key < end) {
+      x = own[size_t(key - start) * D + c];
+    }
+    dst[r * ld + c] = x;
   }
-  simdgroup_barrier(mem_flags::mem_threadgroup);
+}
+
+inline simdgroup_float8x8 zero_tile() {
+  return make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+}
+
+// The largest and the sum of a row's 8 values, each lane holding 2 of them (Apple's layout).
+inline float row_max(float x) {
+  x = metal::max(x, simd_shuffle_xor(x, 1));
+  return metal::max(x, simd_shuffle_xor(x, 8));
+}
+inline float row_sum(float x) {
+  x += simd_shuffle_xor(x, 1);
+  return x + simd_shuffle_xor(x, 8);
 }

@@ -1,52 +1,96 @@
 // Chunk attention backward, dQ: dq_i = scale * sum_j p_ij (do_i . v_j - delta_i) k_j over every
 // key the query saw (prefix and chunk), p recomputed from the saved log-sum-exp.
 // Inputs as the forward's plus d_out (B, HQ, L, D), lse and delta = rowsum(d_out * o), both
-// (B, HQ, L) float32. dq (B, HQ, L, D) float32. One simdgroup per query row.
-threadgroup float tq[ROWS][D];
-threadgroup float tdo[ROWS][D];
-threadgroup float tds[ROWS][32];
-const int B = params[0], HQ = params[1], HKV = params[2], L = params[3];
+// (B, HQ, L) float32. dq (B, HQ, L, D) float32.
+// The forward's ownership: BQ query rows of one (b, h) a threadgroup, 8 a simdgroup, Q and dO
+// staged once, each K and V block of BK keys staged once for all simdgroups. S = Q K^T,
+// dP = dO V^T and dQ += dS K are 8x8 products in float; dQ stays in registers, D / 8 tiles.
+constexpr int LD = D + PAD, THREADS = 4 * BQ, KT = BK / 8, DT = D / 8;
+threadgroup T tq[BQ * LD];
+threadgroup T tdo[BQ * LD];
+threadgroup T tk[BK * LD];
+threadgroup T tv[BK * LD];
+const int HQ = params[1], HKV = params[2], L = params[3];
 const int N = params[4], START = params[5], BS = params[7];
-const uint lane = thread_index_in_simdgroup;
-const uint sg = simdgroup_index_in_threadgroup;
-const int row = threadgroup_position_in_grid.x * ROWS + sg;
-if (row >= B * HQ * L) {
-  return;
-}
-const int i = row % L, h = (row / L) % HQ, b = row / (L * HQ);
-const int hk = h / (HQ / HKV);
-const size_t own = size_t(b * HKV + hk) * L * D;
+const uint tid = thread_index_in_threadgroup;
+const ushort lane = thread_index_in_simdgroup, sg = simdgroup_index_in_threadgroup;
+const ushort fr = frag_row(lane), fc = frag_col(lane);
+const int blocks = (L + BQ - 1) / BQ;
+const int q0 = (threadgroup_position_in_grid.x % blocks) * BQ;
+const int bh = threadgroup_position_in_grid.x / blocks;  // b * HQ + h
+const int b = bh / HQ, hk = (bh % HQ) / (HQ / HKV);
+const device T* k_own = k + size_t(b * HKV + hk) * L * D;
+const device T* v_own = v + size_t(b * HKV + hk) * L * D;
 const size_t pre = size_t((BS > 1 ? b : 0) * HKV + hk) * N * D;
-row_stage<D>(tq[sg], q + size_t(row) * D, scale[0], lane);
-row_stage<D>(tdo[sg], d_out + size_t(row) * D, 1.0f, lane);
-const float lse_i = lse[row], delta_i = delta[row];
+const int kend = START + metal::min(q0 + BQ, L);
 
-const int nk = START + i + 1;
-float acc[D / 32] = {0.0f};
-for (int base = 0; base < nk; base += 32) {
-  const int j = base + lane;
-  float ds = 0.0f;
-  if (j < START) {
-    const float p = metal::exp(row_dot<D>(tq[sg], pk + pre + size_t(j) * D) - lse_i);
-    ds = p * (row_dot<D>(tdo[sg], pv + pre + size_t(j) * D) - delta_i);
-  } else if (j < nk) {
-    const float p = metal::exp(row_dot<D>(tq[sg], k + own + size_t(j - START) * D) - lse_i);
-    ds = p * (row_dot<D>(tdo[sg], v + own + size_t(j - START) * D) - delta_i);
-  }
-  tds[sg][lane] = ds;
-  simdgroup_barrier(mem_flags::mem_threadgroup);
-  const int n = metal::min(32, nk - base);
-  for (int jj = 0; jj < n; ++jj) {
-    const float dsj = tds[sg][jj];
-    const int key = base + jj;
-    if (key < START) {
-      row_axpy<D>(acc, dsj, pk + pre + size_t(key) * D, lane);
-    } else {
-      row_axpy<D>(acc, dsj, k + own + size_t(key - START) * D, lane);
+const int r0 = q0 + 8 * sg;
+const bool active = r0 < L;
+const int klim = START + metal::min(r0 + 8, L);
+const int row = r0 + fr;  // this lane's row; past L it takes no key
+const bool real = active && row < L;
+const int sees = real ? START + row + 1 : 0;
+const float sc = scale[0], c2 = sc * LOG2E;
+const float lse2 = real ? lse[size_t(bh) * L + row] * LOG2E : 0.0f;
+const float dl = real ? delta[size_t(bh) * L + row] : 0.0f;
+
+stage_rows<D>(tq, LD, BQ, q + size_t(bh) * L * D, q0, L, tid, THREADS);
+stage_rows<D>(tdo, LD, BQ, d_out + size_t(bh) * L * D, q0, L, tid, THREADS);
+simdgroup_float8x8 acc[DT];
+for (int t = 0; t < DT; ++t) {
+  acc[t] = zero_tile();
+}
+for (int k0 = 0; k0 < kend; k0 += BK) {
+  stage_keys<D>(tk, LD, BK, pk + pre, k_own, k0, START, kend, tid, THREADS);
+  stage_keys<D>(tv, LD, BK, pv + pre, v_own, k0, START, kend, tid, THREADS);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  const int nt = active ? metal::clamp((klim - k0 + 7) / 8, 0, KT) : 0;
+  if (nt > 0) {
+    simdgroup_float8x8 s[KT], dp[KT];
+    for (int j = 0; j < KT; ++j) {
+      s[j] = zero_tile();
+      dp[j] = zero_tile();
+    }
+    for (int t = 0; t < DT; ++t) {  // S = Q K^T, dP = dO V^T
+      simdgroup_float8x8 a, g;
+      load_tile(a, tq, LD, 8 * sg, 8 * t, fr, fc);
+      load_tile(g, tdo, LD, 8 * sg, 8 * t, fr, fc);
+      for (int j = 0; j < KT; ++j) {
+        if (j < nt) {
+          simdgroup_float8x8 kt, vt;
+          load_tile_t(kt, tk, LD, 8 * t, 8 * j, fr, fc);
+          load_tile_t(vt, tv, LD, 8 * t, 8 * j, fr, fc);
+          simdgroup_multiply_accumulate(s[j], a, kt, s[j]);
+          simdgroup_multiply_accumulate(dp[j], g, vt, dp[j]);
+        }
+      }
+    }
+    for (int j = 0; j < KT; ++j) {  // dS = P (dP - delta), in place of S
+      if (j < nt) {
+        thread float2& e = s[j].thread_elements();
+        const float2 d = dp[j].thread_elements();
+        const int key = k0 + 8 * j + fc;
+        e[0] = key < sees ? metal::exp2(e[0] * c2 - lse2) * (d[0] - dl) : 0.0f;
+        e[1] = key + 1 < sees ? metal::exp2(e[1] * c2 - lse2) * (d[1] - dl) : 0.0f;
+      }
+    }
+    for (int t = 0; t < DT; ++t) {  // dQ += dS K
+      for (int j = 0; j < KT; ++j) {
+        if (j < nt) {
+          simdgroup_float8x8 kf;
+          load_tile(kf, tk, LD, 8 * j, 8 * t, fr, fc);
+          simdgroup_multiply_accumulate(acc[t], s[j], kf, acc[t]);
+        }
+      }
     }
   }
-  simdgroup_barrier(mem_flags::mem_threadgroup);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
 }
-for (int t = 0; t < D / 32; ++t) {
-  dq[size_t(row) * D + lane + 32 * t] = acc[t] * scale[0];
+if (real) {
+  device float* out = dq + (size_t(bh) * L + row) * D + fc;
+  for (int t = 0; t < DT; ++t) {
+    const float2 e = acc[t].thread_elements();
+    out[8 * t] = e[0] * sc;
+    out[8 * t + 1] = e[1] * sc;
+  }
 }
