@@ -370,3 +370,17 @@ def test_no_small_input_meets_pointer_arithmetic():
             assert not re.search(rf"\b{name} \+", body), (call.spec.name, name)
         if harness.HAS_CLANG:  # nor meets a helper's `device` parameter
             harness.check_address_spaces(call, source)
+
+
+def test_the_roofline_script_prints_each_kernel():
+    """scripts/roofline-attention.py prices traffic.py's numbers (pinned above) at a shape."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "roofline-attention.py"
+    args = [sys.executable, str(script), "--chunk", "256", "--prefix", "512", "--dims", "64"]
+    out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
+    for kind in blocks.KERNELS:
+        assert f"| {kind} | 64 | " in out
+    assert "Estimates, not measurements" in out
