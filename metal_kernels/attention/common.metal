@@ -34,31 +34,39 @@ inline void load_tile_t(thread simdgroup_float8x8& m, const threadgroup X* src, 
 }
 
 // Stage `rows` rows of D elements, row r0 + r of `src` (zeros from row `end`), in `dst` with
-// `ld` elements a row; every thread of the group takes every `threads`-th element, so
-// consecutive threads read consecutive elements.
+// `ld` elements a row: 4 elements a thread at a time (D and ld are multiples of 4, as MLX's steel
+// loaders do, threadgroup arrays cast to vectors), consecutive threads on consecutive pieces.
 template <int D, typename T>
 inline void stage_rows(threadgroup T* dst, int ld, int rows, const device T* src, int r0, int end,
                        uint tid, uint threads) {
-  for (uint e = tid; e < uint(rows * D); e += threads) {
+  for (uint e = 4 * tid; e < uint(rows * D); e += 4 * threads) {
     const int r = e / D, c = e % D;
-    dst[r * ld + c] = r0 + r < end ? src[size_t(r0 + r) * D + c] : T(0.0f);
+    vec<T, 4> x = T(0.0f);
+    if (r0 + r < end) {
+      x = *reinterpret_cast<const device vec<T, 4>*>(src + size_t(r0 + r) * D + c);
+    }
+    *reinterpret_cast<threadgroup vec<T, 4>*>(dst + r * ld + c) = x;
   }
 }
 
-// Stage key rows [k0, k0 + rows) of the window as T: below `start` from the store (its dtype S
-// converted, as the ops twin reads it), then the chunk's own rows, zeros from `end`.
+// Stage key rows [k0, k0 + rows) of the window as T, 4 elements a thread at a time: below
+// `start` from the store (its dtype S converted, as the ops twin reads it), then the chunk's own
+// rows, zeros from `end`.
 template <int D, typename T, typename S>
 inline void stage_keys(threadgroup T* dst, int ld, int rows, const device S* store,
                        const device T* own, int k0, int start, int end, uint tid, uint threads) {
-  for (uint e = tid; e < uint(rows * D); e += threads) {
+  for (uint e = 4 * tid; e < uint(rows * D); e += 4 * threads) {
     const int r = e / D, c = e % D, key = k0 + r;
-    T x = T(0.0f);
+    vec<T, 4> x = T(0.0f);
     if (key < start) {
-      x = T(float(store[size_t(key) * D + c]));
+      const vec<S, 4> y = *reinterpret_cast<const device vec<S, 4>*>(store + size_t(key) * D + c);
+      for (int i = 0; i < 4; ++i) {
+        x[i] = T(float(y[i]));
+      }
     } else if (key < end) {
-      x = own[size_t(key - start) * D + c];
+      x = *reinterpret_cast<const device vec<T, 4>*>(own + size_t(key - start) * D + c);
     }
-    dst[r * ld + c] = x;
+    *reinterpret_cast<threadgroup vec<T, 4>*>(dst + r * ld + c) = x;
   }
 }
 
