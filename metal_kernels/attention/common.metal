@@ -33,19 +33,48 @@ inline void load_tile_t(thread simdgroup_float8x8& m, const threadgroup X* src, 
   m.thread_elements() = float2(float(src[at]), float(src[at + ld]));
 }
 
+// Four elements as raw bits, by element size: copies need no vector of T (bfloat has none
+// before Metal 3.1, where MLX's bfloat16_t is a struct).
+template <int N> struct Bits;
+template <> struct Bits<2> {
+  typedef ushort4 four;
+};
+template <> struct Bits<4> {
+  typedef uint4 four;
+};
+
+// dst[0..4) = src[0..4) as T: converted element by element from another dtype, copied as one
+// vector from the same (the more specialized overload).
+template <typename T, typename S>
+inline void put4(threadgroup T* dst, const device S* src) {
+  for (int i = 0; i < 4; ++i) {
+    dst[i] = T(float(src[i]));
+  }
+}
+template <typename T>
+inline void put4(threadgroup T* dst, const device T* src) {
+  typedef typename Bits<sizeof(T)>::four raw;
+  *reinterpret_cast<threadgroup raw*>(dst) = *reinterpret_cast<const device raw*>(src);
+}
+template <typename T>
+inline void zero4(threadgroup T* dst) {
+  typedef typename Bits<sizeof(T)>::four raw;
+  *reinterpret_cast<threadgroup raw*>(dst) = raw(0);  // +0 in every float format
+}
+
 // Stage `rows` rows of D elements, row r0 + r of `src` (zeros from row `end`), in `dst` with
-// `ld` elements a row: 4 elements a thread at a time (D and ld are multiples of 4, as MLX's steel
-// loaders do, threadgroup arrays cast to vectors), consecutive threads on consecutive pieces.
+// `ld` elements a row: 4 elements a thread at a time (D and ld are multiples of 4; threadgroup
+// arrays cast to vectors as MLX's steel loaders do), consecutive threads on consecutive pieces.
 template <int D, typename T>
 inline void stage_rows(threadgroup T* dst, int ld, int rows, const device T* src, int r0, int end,
                        uint tid, uint threads) {
   for (uint e = 4 * tid; e < uint(rows * D); e += 4 * threads) {
     const int r = e / D, c = e % D;
-    vec<T, 4> x = T(0.0f);
     if (r0 + r < end) {
-      x = *reinterpret_cast<const device vec<T, 4>*>(src + size_t(r0 + r) * D + c);
+      put4(dst + r * ld + c, src + size_t(r0 + r) * D + c);
+    } else {
+      zero4(dst + r * ld + c);
     }
-    *reinterpret_cast<threadgroup vec<T, 4>*>(dst + r * ld + c) = x;
   }
 }
 
@@ -57,16 +86,13 @@ inline void stage_keys(threadgroup T* dst, int ld, int rows, const device S* sto
                        const device T* own, int k0, int start, int end, uint tid, uint threads) {
   for (uint e = 4 * tid; e < uint(rows * D); e += 4 * threads) {
     const int r = e / D, c = e % D, key = k0 + r;
-    vec<T, 4> x = T(0.0f);
     if (key < start) {
-      const vec<S, 4> y = *reinterpret_cast<const device vec<S, 4>*>(store + size_t(key) * D + c);
-      for (int i = 0; i < 4; ++i) {
-        x[i] = T(float(y[i]));
-      }
+      put4(dst + r * ld + c, store + size_t(key) * D + c);
     } else if (key < end) {
-      x = *reinterpret_cast<const device vec<T, 4>*>(own + size_t(key - start) * D + c);
+      put4(dst + r * ld + c, own + size_t(key - start) * D + c);
+    } else {
+      zero4(dst + r * ld + c);
     }
-    *reinterpret_cast<threadgroup vec<T, 4>*>(dst + r * ld + c) = x;
   }
 }
 
