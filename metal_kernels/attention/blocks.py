@@ -149,38 +149,45 @@ def _c(warps: int, mt: int, walk: int, regs: bool, why: str, split: int = 1) -> 
     return CudaBlocks(warps, mt, walk, regs, split, why)
 
 
-# (kernel, head dim) -> shape, for float16 and bfloat16 alike.
+# (kernel, head dim) -> shape, for float16 and bfloat16 alike. Registers: a 16-row m-tile's C
+# fragments over 8 columns are 4 a lane, so a warp's accumulators over C columns are
+# mt * C / 2 a lane (O 32 rows x 128 columns: 128). ptxas figures (sm_90, no spills) are in
+# scripts/compile-cuda.py --ptxas.
 CUDA: dict[tuple[str, int], CudaBlocks] = {
-    ("forward", 64): _c(4, 2, 64, True, "128 query rows, 32 a warp: each K/V fragment read "
-                        "from shared memory feeds 2 m-tiles (half the ldmatrix traffic of 16 "
-                        "rows); O 32 + S 32 + Q 16 registers: Q kept in registers; Q 18 + K/V "
-                        "2 x 18 KiB = 54 KiB: 3 blocks an SM (FlashAttention-2: 128 x 128)"),
-    ("forward", 128): _c(4, 2, 64, False, "128 query rows, 32 a warp (FlashAttention-2's "
-                         "128 x 64 on H100); O 64 + S 32 registers leave no room for Q (it is "
-                         "read from shared memory each k-step); Q 34 + K/V 2 x 34 KiB = 102 KiB: "
+    ("forward", 64): _c(4, 2, 64, True, "128 query rows, 32 a warp: a K/V fragment read from "
+                        "shared memory feeds 2 m-tiles (half the ldmatrix traffic of 16 rows), "
+                        "and K/V are read from L2 once per 128 queries; O 64 + S 64 + Q 32 "
+                        "registers, so Q stays in registers; Q 18 + K/V 2 x 18 KiB = 54 KiB; "
+                        "~250 registers: 2 blocks an SM (FlashAttention-2: 128 x 128)"),
+    ("forward", 128): _c(4, 2, 32, False, "128 query rows, 32 a warp, as at 64; O 128 + S 32 "
+                         "registers (a 64-key tile, S 64, spilled: 255 registers and 88 bytes), "
+                         "Q read from shared memory each k-step; Q 34 + K/V 2 x 17 KiB = 68 KiB: "
                          "2 blocks an SM"),
-    ("forward", 256): _c(4, 1, 32, False, "64 query rows, 16 a warp: O alone is 128 "
-                         "registers; K/V tiles of 32 keys, double buffered: Q 33 + 2 x 33 KiB = "
-                         "99 KiB, 2 blocks an SM (FlashAttention-2 runs 64 x 64 single-buffered "
-                         "on H100 for the same reason)"),
-    ("dq", 64): _c(4, 2, 64, False, "128 query rows, 32 a warp; dQ 32 + S 32 + dP 32 "
-                   "registers; Q, dO 36 + K/V 2 x 18 KiB = 72 KiB: 2-3 blocks an SM"),
-    ("dq", 128): _c(4, 2, 32, False, "128 query rows, 32 a warp (K/V fragments feed 2 m-tiles); "
-                    "dQ 64 + S 16 + dP 16 registers, so 32 keys a tile; Q, dO 68 + K/V 2 x 17 "
-                    "KiB = 102 KiB: 2 blocks an SM"),
+    ("forward", 256): _c(8, 1, 64, False, "128 query rows, 16 a warp (O alone is 128 "
+                         "registers): 8 warps, so K/V stream from L2 once per 128 queries (64 "
+                         "rows would read 60 GB a call at the benchmark shape); 64-key tiles (S "
+                         "32 registers) halve the per-tile barrier and softmax work of 32; Q 66 "
+                         "+ K/V 2 x 66 KiB = 198 KiB: one block of 8 warps an SM"),
+    ("dq", 64): _c(4, 2, 32, False, "128 query rows, 32 a warp; dQ 64 + S 32 + dP 32 registers "
+                   "a tile of 32 keys (64 keys spilled); Q, dO 36 + K/V 2 x 9 KiB = 54 KiB; "
+                   "~230 registers: 2 blocks an SM"),
+    ("dq", 128): _c(8, 1, 64, False, "128 query rows, 16 a warp: dQ 64 + S 32 + dP 32 "
+                    "registers (32 rows a warp: dQ 128, spilled); Q, dO 68 + K/V 2 x 34 KiB = "
+                    "136 KiB: one block of 8 warps an SM"),
     ("dq", 256): _c(8, 1, 32, False, "128 query rows, 16 a warp: dQ alone is 128 registers; "
-                    "Q, dO 132 + K/V 2 x 33 KiB = 198 KiB: one block of 8 warps an SM (64 rows "
-                    "would still hold one block, with 4 warps)"),
-    ("dkdv", 64): _c(4, 1, 64, True, "64 key rows, 16 a warp; dK, dV 32 + S^T, dP^T 32 + K, V "
-                     "16 registers (kept); K, V 18 + Q/dO 2 x 36 KiB + lse, delta = 55 KiB: "
-                     "3 blocks an SM"),
-    ("dkdv", 128): _c(4, 1, 64, False, "64 key rows, 16 a warp; dK, dV 64 + S^T, dP^T 32 "
-                      "registers (K and V read from shared memory each k-step); K, V 34 + "
-                      "Q/dO 2 x 68 KiB = 103 KiB: 2 blocks an SM"),
-    ("dkdv", 256): _c(8, 1, 64, False, "64 key rows, 2 warps on each 16 (split: dK, dV 2 x 64 "
-                      "registers for 128 columns; each warp scores 32 of the 64 queries over "
-                      "all 256 dims); K, V 66 + Q/dO 2 x 66 + swap 16 KiB = 215 KiB: one block "
-                      "of 8 warps an SM", split=2),
+                    "Q, dO 132 + K/V 2 x 33 KiB = 198 KiB: one block of 8 warps an SM"),
+    ("dkdv", 64): _c(8, 1, 64, True, "128 key rows, 16 a warp, so Q/dO stream from L2 once per "
+                     "128 keys; dK, dV 32 + S^T, dP^T 32 + K, V 16 registers each (K, V kept "
+                     "in registers); K, V 36 + Q/dO 2 x 18 KiB + lse, delta = 73 KiB; one block of "
+                     "8 warps an SM (~235 registers)"),
+    ("dkdv", 128): _c(8, 1, 32, False, "128 key rows, 16 a warp; dK, dV 64 + S^T, dP^T 16 "
+                      "registers each, a tile of 32 queries (64 queries spilled); K, V 68 + "
+                      "Q/dO 2 x 17 KiB = 102 KiB; one block of 8 warps an SM (~245 registers)"),
+    ("dkdv", 256): _c(8, 1, 64, False, "64 key rows, 2 warps on each 16 (split: one warp cannot "
+                      "hold dK and dV for 256 columns, 256 registers; paired, each holds 128 "
+                      "columns, 2 x 64, and scores 32 of the tile's 64 queries over all 256 "
+                      "dims); K, V 66 + Q/dO 2 x 66 + swap 16 KiB = 215 KiB: one block of 8 "
+                      "warps an SM", split=2),
 }  # fmt: skip
 
 CUDA_DIMS = tuple(sorted({dim for _, dim in CUDA}))

@@ -1,62 +1,26 @@
-// Tensor-core helpers for the CUDA-only half-precision attention kernels (*_tc.cu): warp-level
-// 16x16x16 matrix products through nvcuda::wmma, float accumulation, operands in shared memory.
-#include <mma.h>
+// Tensor-core helpers for the CUDA-only half-precision attention kernels (*_tc.cu), in the shape
+// of FlashAttention-2: warp-level mma.sync.m16n8k16 products with float32 accumulators in
+// registers, operands read from shared memory with ldmatrix (rows padded by 16 bytes, so the
+// eight rows of an 8x8 matrix fall in eight different groups of four banks), tiles copied from
+// global memory with cp.async (zero-filled past the data) and double buffered.
+//
+// Fragment layouts (PTX ISA, mma.m16n8k16 with .bf16/.f16 inputs), g = lane / 4, t = lane % 4:
+//   A 16x16 (row-major), four 32-bit registers of two elements: a0 (g, 2t..2t+1),
+//     a1 (g+8, 2t..), a2 (g, 2t+8..), a3 (g+8, 2t+8..);
+//   B 16x8 (k x n), two registers: b0 (k = 2t..2t+1, n = g), b1 (k = 2t+8.., n = g);
+//   C/D 16x8 float: c0, c1 (g, 2t..2t+1), c2, c3 (g+8, 2t..2t+1).
+// So the C fragments of two neighbouring n-tiles are, once packed to T, the A fragment of one
+// 16-wide k-step: the probabilities P (and dS) never leave the registers that computed them.
+//
+// Built with NVRTC by MLX (mx.fast.cuda_kernel, sm_90a there) and with nvcc by
+// scripts/compile-cuda.py; MLXWALK_EMULATE swaps the PTX for the CPU emulator's stand-ins
+// (metal_kernels/cuda_emulator), which runs these bodies lane by lane.
 
 namespace mlxwalk_tc {
-namespace wm = nvcuda::wmma;
-template <typename T>
-using FragA = wm::fragment<wm::matrix_a, 16, 16, 16, T, wm::row_major>;
-template <typename T>
-using FragBt = wm::fragment<wm::matrix_b, 16, 16, 16, T, wm::col_major>;
-template <typename T>
-using FragB = wm::fragment<wm::matrix_b, 16, 16, 16, T, wm::row_major>;
-using FragC = wm::fragment<wm::accumulator, 16, 16, 16, float>;
-
-// out (16 x 16 NT, float, ld ldo) = a (16 x K, ld lda) . b^T, b being 16 NT rows of K (ld ldb).
-template <typename T, int K, int NT>
-__device__ inline void rows_by_rows(float* out, int ldo, const T* a, int lda, const T* b, int ldb) {
-  FragC c[NT];
-#pragma unroll
-  for (int n = 0; n < NT; ++n) {
-    wm::fill_fragment(c[n], 0.0f);
-  }
-#pragma unroll 4
-  for (int kk = 0; kk < K; kk += 16) {
-    FragA<T> fa;
-    wm::load_matrix_sync(fa, a + kk, lda);
-#pragma unroll
-    for (int n = 0; n < NT; ++n) {
-      FragBt<T> fb;
-      wm::load_matrix_sync(fb, b + n * 16 * ldb + kk, ldb);
-      wm::mma_sync(c[n], fa, fb, c[n]);
-    }
-  }
-#pragma unroll
-  for (int n = 0; n < NT; ++n) {
-    wm::store_matrix_sync(out + n * 16, c[n], ldo, wm::mem_row_major);
-  }
-}
-
-// acc[n] += a (16 x K, ld lda) . b (K x 16 NT, ld ldb), n over NT column tiles, acc in registers.
-template <typename T, int K, int NT>
-__device__ inline void accumulate_in(FragC* acc, const T* a, int lda, const T* b, int ldb) {
-#pragma unroll
-  for (int kk = 0; kk < K; kk += 16) {
-    FragA<T> fa;
-    wm::load_matrix_sync(fa, a + kk, lda);
-#pragma unroll
-    for (int n = 0; n < NT; ++n) {
-      FragB<T> fb;
-      wm::load_matrix_sync(fb, b + kk * ldb + n * 16, ldb);
-      wm::mma_sync(acc[n], fa, fb, acc[n]);
-    }
-  }
-}
-
-// Element e of a 16x16 float accumulator fragment lies in row (lane / 4) + 8 ((e / 2) % 2) of
-// it on sm_80 and later (the layout of two m16n8k16 mma tiles); the forward's per-row rescaling
-// relies on it, and the self-check would catch a GPU where it does not hold.
-__device__ inline int fragment_row(int lane, int e) { return lane / 4 + 8 * ((e / 2) % 2); }
+using u32 = unsigned int;
+constexpr int PAD = 8;  // elements of padding per shared row: 16 bytes (see above)
+constexpr float LOG2E = 1.4426950408889634f;
+__device__ __forceinline__ float neg_inf() { return -__int_as_float(0x7f800000); }
 
 template <typename A, typename B>
 struct same_type {
@@ -66,54 +30,315 @@ template <typename A>
 struct same_type<A, A> {
   static constexpr bool value = true;
 };
+}  // namespace mlxwalk_tc
 
-// Eight elements, src to shared dst, as T: one 16-byte copy when the types agree, else a vector
-// load and a conversion through float.
-template <typename T, typename X>
-__device__ inline void copy8(T* dst, const X* src) {
-  if constexpr (same_type<T, X>::value) {
-    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+#ifndef MLXWALK_EMULATE
+namespace mlxwalk_tc {
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+  return static_cast<u32>(__cvta_generic_to_shared(p));
+}
+
+// Two floats as one register of two T, `lo` in the low half (the lower column).
+template <typename T>
+__device__ __forceinline__ u32 pack2(float lo, float hi);
+template <>
+__device__ __forceinline__ u32 pack2<__nv_bfloat16>(float lo, float hi) {
+  u32 r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+template <>
+__device__ __forceinline__ u32 pack2<__half>(float lo, float hi) {
+  u32 r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+template <typename X>
+__device__ __forceinline__ float to_float(X x) {
+  return static_cast<float>(x);
+}
+template <>
+__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
+template <>
+__device__ __forceinline__ float to_float<__half>(__half x) {
+  return __half2float(x);
+}
+
+// c += a . b, one m16n8k16 product (float32 accumulators).
+template <typename T>
+__device__ __forceinline__ void mma(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+  if constexpr (same_type<T, __nv_bfloat16>::value) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   } else {
-    alignas(16) X buf[8];
-    for (int i = 0; i < int(8 * sizeof(X) / 16); ++i) {
-      reinterpret_cast<uint4*>(buf)[i] = reinterpret_cast<const uint4*>(src)[i];
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+// Four 8x8 matrices of 16-bit elements: lane l gives the address of row l % 8 of matrix l / 8;
+// r[i] receives row g, columns 2t, 2t+1 of matrix i (with .trans: column g, rows 2t, 2t+1).
+__device__ __forceinline__ void ldsm_x4(u32 (&r)[4], u32 addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(u32 (&r)[4], u32 addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// 16 (or 4) bytes from global to shared memory, asynchronously; `valid` false: zeros instead
+// (the source is then not read).
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async4(u32 dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src),
+               "r"(valid ? 4 : 0));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N));
+}
+
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// A barrier for `threads` threads (a multiple of 32) under id (1..15; 0 is __syncthreads').
+__device__ __forceinline__ void bar_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+}  // namespace mlxwalk_tc
+#endif
+
+namespace mlxwalk_tc {
+// Eight elements of S at src, converted to T, into shared memory at dst (16 bytes): the
+// store's rows when its dtype is not the model's (a float32 store under bfloat16 queries).
+template <typename T, typename S>
+__device__ __forceinline__ void convert8(T* dst, const S* src) {
+  alignas(16) S in[8];
+#pragma unroll
+  for (int i = 0; i < int(8 * sizeof(S) / 16); ++i) {
+    reinterpret_cast<uint4*>(in)[i] = reinterpret_cast<const uint4*>(src)[i];
+  }
+  u32 out[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    out[i] = pack2<T>(to_float(in[2 * i]), to_float(in[2 * i + 1]));
+  }
+  *reinterpret_cast<uint4*>(dst) = make_uint4(out[0], out[1], out[2], out[3]);
+}
+
+// One 16-byte chunk of a row of `a` (S) into shared memory: cp.async when S is T, else
+// converted through registers.
+template <typename T, typename S>
+__device__ __forceinline__ void chunk_from(T* to, const S* from) {
+  if constexpr (same_type<T, S>::value) {
+    cp_async16(smem_addr(to), from, true);
+  } else {
+    convert8<T, S>(to, from);
+  }
+}
+
+// Rows [r0, r0 + ROWS) of a row space into shared memory (pitch D + PAD), 16 bytes per thread
+// per step, consecutive threads on consecutive 16 bytes of a row (coalesced): row r is
+// a + r D (dtype S: the store) for r < split, b + (r - split) D (dtype T: the chunk's own rows,
+// or Q and dO with split 0) for split <= r < end, zeros from end on. A tile wholly in one part
+// (every tile but the one or two at the boundaries) takes affine addresses with no per-row
+// choice; cp.async copies (the caller commits the group), a store of another dtype is
+// converted through registers.
+template <typename T, typename S, int D, int ROWS, int THREADS>
+__device__ __forceinline__ void load_span(T* dst, const S* a, const T* b, int r0, int split,
+                                          int end, int tid) {
+  constexpr int CH = D / 8, P = D + PAD, CHUNKS = ROWS * CH;
+  static_assert(THREADS % CH == 0, "a step covers whole rows");
+  constexpr int STEP = THREADS / CH, STEPS = (CHUNKS + THREADS - 1) / THREADS;
+  const int rt = tid / CH, col = (tid % CH) * 8;
+  T* to = dst + rt * P + col;
+  if (r0 + ROWS <= split) {  // wholly the store's
+    const S* from = a + size_t(r0 + rt) * D + col;
+#pragma unroll
+    for (int i = 0; i < STEPS; ++i) {
+      if (CHUNKS % THREADS == 0 || rt + i * STEP < ROWS) {
+        chunk_from<T, S>(to + i * STEP * P, from + size_t(i * STEP) * D);
+      }
+    }
+  } else if (r0 >= split && r0 + ROWS <= end) {  // wholly b's
+    const T* from = b + size_t(r0 - split + rt) * D + col;
+#pragma unroll
+    for (int i = 0; i < STEPS; ++i) {
+      if (CHUNKS % THREADS == 0 || rt + i * STEP < ROWS) {
+        cp_async16(smem_addr(to + i * STEP * P), from + size_t(i * STEP) * D, true);
+      }
+    }
+  } else {  // a boundary: row by row
+#pragma unroll
+    for (int i = 0; i < STEPS; ++i) {
+      const int r = rt + i * STEP, row = r0 + r;
+      if (CHUNKS % THREADS == 0 || r < ROWS) {
+        if (row < split) {
+          chunk_from<T, S>(to + i * STEP * P, a + size_t(row) * D + col);
+        } else {
+          const bool valid = row < end;
+          const T* from = valid ? b + size_t(row - split) * D + col : b;
+          cp_async16(smem_addr(to + i * STEP * P), from, valid);
+        }
+      }
+    }
+  }
+}
+
+// N floats from src[0..n) to shared memory (zeros from n on), 4 bytes per thread per step.
+template <int N, int THREADS>
+__device__ __forceinline__ void load_floats(float* dst, const float* src, int n, int tid) {
+#pragma unroll
+  for (int i = 0; i < (N + THREADS - 1) / THREADS; ++i) {
+    const int e = tid + i * THREADS;
+    if (N % THREADS == 0 || e < N) {
+      cp_async4(smem_addr(dst + e), e < n ? src + e : src, e < n);
+    }
+  }
+}
+
+// The A fragments of MT m-tiles of 16 rows by K columns at `a` (shared, pitch P), into
+// registers: af[m][k-step].
+template <typename T, int K, int P, int MT>
+__device__ __forceinline__ void load_a(u32 (&af)[MT][K / 16][4], const T* a, int lane) {
+  const u32 base = smem_addr(a + (lane & 15) * P + (lane >> 4) * 8);
+#pragma unroll
+  for (int m = 0; m < MT; ++m) {
+#pragma unroll
+    for (int ks = 0; ks < K / 16; ++ks) {
+      ldsm_x4(af[m][ks], base + (m * 16 * P + ks * 16) * int(sizeof(T)));
+    }
+  }
+}
+
+// acc[m][n] += A_m . B_n^T over K: A is MT m-tiles of 16 rows at `a`, B is NT n-tiles of 8 rows
+// at `b`, both row-major in shared memory (pitch P) with K columns: S = Q K^T, dP = dO V^T and
+// their transposes. A fragments are read once per k-step, each B fragment once per warp.
+template <typename T, int K, int P, int MT, int NT>
+__device__ __forceinline__ void mma_nt(float (&acc)[MT][NT][4], const T* a, const T* b,
+                                       int lane) {
+  static_assert(NT % 2 == 0, "n-tiles go in pairs (one ldmatrix.x4)");
+  const u32 a0 = smem_addr(a + (lane & 15) * P + (lane >> 4) * 8);
+  const u32 b0 = smem_addr(b + ((lane & 7) + (lane >> 4) * 8) * P + ((lane >> 3) & 1) * 8);
+#pragma unroll
+  for (int ks = 0; ks < K / 16; ++ks) {
+    u32 af[MT][4];
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+      ldsm_x4(af[m], a0 + (m * 16 * P + ks * 16) * int(sizeof(T)));
     }
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      dst[i] = static_cast<T>(static_cast<float>(buf[i]));
+    for (int np = 0; np < NT / 2; ++np) {
+      u32 bf[4];
+      ldsm_x4(bf, b0 + (np * 16 * P + ks * 16) * int(sizeof(T)));
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+        mma<T>(acc[m][2 * np], af[m], bf[0], bf[1]);
+        mma<T>(acc[m][2 * np + 1], af[m], bf[2], bf[3]);
+      }
     }
   }
 }
 
-// Stage `rows` rows of D elements into shared memory as T (row pitch `ld`), eight at a time.
-// row(r, own, store) points one of own (a T row) or store (an S row) at row r's data, or
-// neither for a row of zeros.
-template <typename T, typename S, int D, typename F>
-__device__ inline void stage_rows(T* dst, int ld, int rows, F row, int tid, int threads) {
-  for (int e = tid; e < rows * (D / 8); e += threads) {
-    const int r = e / (D / 8), d = (e % (D / 8)) * 8;
-    const T* own = nullptr;
-    const S* store = nullptr;
-    row(r, own, store);
-    T* out = dst + r * ld + d;
-    if (own != nullptr) {
-      copy8(out, own + d);
-    } else if (store != nullptr) {
-      copy8(out, store + d);
-    } else {
-      *reinterpret_cast<uint4*>(out) = make_uint4(0u, 0u, 0u, 0u);
+// The same with A already in registers (af from load_a).
+template <typename T, int K, int P, int MT, int NT>
+__device__ __forceinline__ void mma_nt_ra(float (&acc)[MT][NT][4], const u32 (&af)[MT][K / 16][4],
+                                          const T* b, int lane) {
+  static_assert(NT % 2 == 0, "n-tiles go in pairs (one ldmatrix.x4)");
+  const u32 b0 = smem_addr(b + ((lane & 7) + (lane >> 4) * 8) * P + ((lane >> 3) & 1) * 8);
+#pragma unroll
+  for (int ks = 0; ks < K / 16; ++ks) {
+#pragma unroll
+    for (int np = 0; np < NT / 2; ++np) {
+      u32 bf[4];
+      ldsm_x4(bf, b0 + (np * 16 * P + ks * 16) * int(sizeof(T)));
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+        mma<T>(acc[m][2 * np], af[m][ks], bf[0], bf[1]);
+        mma<T>(acc[m][2 * np + 1], af[m][ks], bf[2], bf[3]);
+      }
     }
   }
 }
 
-// Row pitches in shared memory, padded so that the rows of a 16x16 fragment fall in different
-// banks (a pitch of a multiple of 128 bytes puts them all in one); wmma needs pitches in
-// multiples of 16 bytes and fragments on 32-byte boundaries, which these keep.
-template <int D>
-struct Pitch {
-  static constexpr int half = D + 8;  // rows of D in T
-  static constexpr int tile = 32 + 8;  // rows of a 32-wide tile in T
-  static constexpr int score = 32 + 4;  // rows of a 32-wide tile in float
-  static constexpr int acc = D + 4;  // rows of D in float
-};
+// acc[m][n] += A_m . B over KK k-steps of 16: A in registers (packed probabilities or dS), B
+// row-major [k][n] in shared memory (pitch P), read transposed by ldmatrix: O += P V,
+// dQ += dS K, dV += P^T dO, dK += dS^T Q. NN n-tiles of 8 columns from `b`.
+template <typename T, int KK, int P, int MT, int NN>
+__device__ __forceinline__ void mma_nn(float (&acc)[MT][NN][4], const u32 (&af)[MT][KK][4],
+                                       const T* b, int lane) {
+  static_assert(NN % 2 == 0, "n-tiles go in pairs (one ldmatrix.x4)");
+  const u32 b0 = smem_addr(b + ((lane & 7) + ((lane >> 3) & 1) * 8) * P + (lane >> 4) * 8);
+#pragma unroll
+  for (int kk = 0; kk < KK; ++kk) {
+#pragma unroll
+    for (int np = 0; np < NN / 2; ++np) {
+      u32 bf[4];
+      ldsm_x4_t(bf, b0 + (kk * 16 * P + np * 16) * int(sizeof(T)));
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+        mma<T>(acc[m][2 * np], af[m][kk], bf[0], bf[1]);
+        mma<T>(acc[m][2 * np + 1], af[m][kk], bf[2], bf[3]);
+      }
+    }
+  }
+}
+
+// C fragments (MT x NT n-tiles of 8 columns) packed to T as A fragments of NT / 2 k-steps.
+template <typename T, int MT, int NT>
+__device__ __forceinline__ void to_a(u32 (&af)[MT][NT / 2][4], const float (&c)[MT][NT][4]) {
+#pragma unroll
+  for (int m = 0; m < MT; ++m) {
+#pragma unroll
+    for (int kk = 0; kk < NT / 2; ++kk) {
+      af[m][kk][0] = pack2<T>(c[m][2 * kk][0], c[m][2 * kk][1]);
+      af[m][kk][1] = pack2<T>(c[m][2 * kk][2], c[m][2 * kk][3]);
+      af[m][kk][2] = pack2<T>(c[m][2 * kk + 1][0], c[m][2 * kk + 1][1]);
+      af[m][kk][3] = pack2<T>(c[m][2 * kk + 1][2], c[m][2 * kk + 1][3]);
+    }
+  }
+}
+
+template <int MT, int NT>
+__device__ __forceinline__ void zero(float (&c)[MT][NT][4]) {
+#pragma unroll
+  for (int m = 0; m < MT; ++m) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        c[m][n][e] = 0.0f;
+      }
+    }
+  }
+}
+
+// A row's max or sum over the four lanes of a quad (the lanes holding one C-fragment row).
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
 }  // namespace mlxwalk_tc

@@ -1,97 +1,166 @@
 // Chunk attention backward, dK/dV of the taps [GF, START) and the chunk's own keys, on tensor
-// cores (CUDA only; the contract of dkdv.metal/dkdv.cu, no atomics). A block of W warps owns 16 W
-// key rows of one K/V head and walks every grouped query head's queries in tiles of 32:
-// S^T = K Q^T and dP^T = V dO^T on tensor cores, P and dS in float32, dV += P^T dO and
-// dK += dS^T Q on tensor cores. The accumulators stay in registers (above head dim 128 the walk
-// runs once per 128 columns of dK/dV, recomputing the scores: 2 D / 16 fragments would not fit)
-// and go straight to dk and dv, whose rows are padded to whole blocks (PADDED).
+// cores (CUDA only; the contract of dkdv.metal/dkdv.cu), FlashAttention-2's dK/dV pass without
+// atomics: a block of NW warps owns BKV key rows of one K/V head (K and V staged once) and walks
+// every query of every query head of its group in tiles of BM, Q, dO, the log-sum-exps and the
+// deltas double buffered through cp.async, so dK and dV are summed over the group inside the
+// block. Per tile and warp: S^T = K Q^T and dP^T = V dO^T on tensor cores (K and V fragments
+// from shared memory, or in registers when KREG), P^T = exp(S^T scale - lse) and
+// dS^T = P^T (dP^T - delta) in float32 in registers, packed to T where they were computed and
+// used as the A operands of dV += P^T dO and dK += dS^T Q (dO and Q read transposed).
+// SPLIT = 2 (head dim 256, where one warp cannot hold dK and dV for all D columns): two warps
+// share 16 key rows; each scores half of the tile's queries over all of D, the pair swaps its
+// packed P^T/dS^T fragments through shared memory (no score is computed twice), and each
+// accumulates dK/dV for half of D over the whole tile.
+// Template: T, S, D, NW, BM, SPLIT, KREG (metal_kernels/attention/blocks.py).
 using namespace mlxwalk_tc;
-constexpr int BR = 16 * W, BQ = 32, THREADS = 32 * W;
-constexpr int LD = Pitch<D>::half, LP = Pitch<D>::tile, LS = Pitch<D>::score;
-constexpr int DA = D < 128 ? D : 128, NF = DA / 16;  // columns of dK/dV per walk
-extern __shared__ __align__(32) unsigned char smem[];
-T* sK = reinterpret_cast<T*>(smem);                   // BR x D
-T* sV = sK + BR * LD;                                 // BR x D
-T* sQ = sV + BR * LD;                                 // BQ x D
-T* sdO = sQ + BQ * LD;                                // BQ x D
-T* sP = sdO + BQ * LD;                                // BR x BQ
-T* sdS = sP + BR * LP;                                // BR x BQ
-float* sS = reinterpret_cast<float*>(sdS + BR * LP);  // BR x BQ
-float* sdP = sS + BR * LS;                            // BR x BQ
-float* sL = sdP + BR * LS;                            // BQ log-sum-exps
-float* sDelta = sL + BQ;                              // BQ deltas
+constexpr int GROUPS = NW / SPLIT, BKV = 16 * GROUPS, THREADS = 32 * NW, P = D + PAD;
+constexpr int QC = BM / SPLIT, DC = D / SPLIT;  // a warp's query columns and dK/dV columns
+constexpr int NQ = QC / 8, NDC = DC / 8, KQ = QC / 16, KB = BM / 16;
+extern __shared__ __align__(16) unsigned char smem[];
+T* sK = reinterpret_cast<T*>(smem);  // BKV x P
+T* sV = sK + BKV * P;                // BKV x P
+T* sQ = sV + BKV * P;                // 2 x BM x P
+T* sdO = sQ + 2 * BM * P;            // 2 x BM x P
+float* sL = reinterpret_cast<float*>(sdO + 2 * BM * P);  // 2 x BM log-sum-exps
+float* sDl = sL + 2 * BM;                                // 2 x BM deltas
+u32* sX = reinterpret_cast<u32*>(sDl + 2 * BM);          // SPLIT: NW x 2 KQ x 4 x 32 fragments
 
-const int B = params[0], HQ = params[1], HKV = params[2], L = params[3];
+const int HQ = params[1], HKV = params[2], L = params[3];
 const int N = params[4], START = params[5], GF = params[6], BS = params[7];
-const int NT = START - GF, R = HQ / HKV, ROWS_ALL = NT + L;
-const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-const int blocks = (ROWS_ALL + BR - 1) / BR, PADDED = blocks * BR;
-const int c0 = (blockIdx.x % blocks) * BR, hk = (blockIdx.x / blocks) % HKV;
+const int NTAP = START - GF, R = HQ / HKV, ROWS_ALL = NTAP + L;
+const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+const int grp = warp / SPLIT, part = warp % SPLIT;
+const int blocks = (ROWS_ALL + BKV - 1) / BKV;
+const int c0 = int(blockIdx.x % blocks) * BKV, hk = (blockIdx.x / blocks) % HKV;
 const int b = blockIdx.x / (blocks * HKV);
 const size_t own = size_t(b * HKV + hk) * L * D;
 const size_t pre = size_t((BS > 1 ? b : 0) * HKV + hk) * N * D;
-const float sc = scale[0];
+const float sc = scale[0], c = sc * LOG2E;
 
-auto keys = [&](const T* own_rows, const S* store) {
-  return [=](int r, const T*& a, const S*& s) {
-    const int c = c0 + r;
-    if (c < NT) {
-      s = store + pre + size_t(GF + c) * D;
-    } else if (c < ROWS_ALL) {
-      a = own_rows + own + size_t(c - NT) * D;
-    }
-  };
+// The queries the block's keys see start at the first own key's (the taps see every query).
+const int qs = max(0, c0 - NTAP);
+const int per_head = (L - qs + BM - 1) / BM;
+const int tiles = R * per_head;
+auto load_tile = [&](int t, int stage) {
+  const int g = t / per_head, q0 = qs + (t % per_head) * BM;
+  const size_t qrows = size_t(b * HQ + hk * R + g) * L;
+  const T* q_rows = q + qrows * D;
+  const T* o_rows = d_out + qrows * D;
+  load_span<T, T, D, BM, THREADS>(sQ + stage * BM * P, q_rows, q_rows, q0, 0, L, tid);
+  load_span<T, T, D, BM, THREADS>(sdO + stage * BM * P, o_rows, o_rows, q0, 0, L, tid);
+  load_floats<BM, THREADS>(sL + stage * BM, lse + qrows + q0, L - q0, tid);
+  load_floats<BM, THREADS>(sDl + stage * BM, delta + qrows + q0, L - q0, tid);
 };
-stage_rows<T, S, D>(sK, LD, BR, keys(k, pk), tid, THREADS);
-stage_rows<T, S, D>(sV, LD, BR, keys(v, pv), tid, THREADS);
-const int row = warp * 16 + lane / 2, half = lane % 2;
-const int c = c0 + row;
-const int first = c < NT ? 0 : c - NT;          // the first query that sees key row c
-const int block_first = c0 < NT ? 0 : c0 - NT;  // the block's earliest
-for (int part = 0; part < D / DA; ++part) {
-  FragC acc_k[NF], acc_v[NF];
-#pragma unroll
-  for (int n = 0; n < NF; ++n) {
-    wm::fill_fragment(acc_k[n], 0.0f);
-    wm::fill_fragment(acc_v[n], 0.0f);
+// Key rows: the taps [0, NTAP) from the store (positions GF on), then the chunk's own.
+load_span<T, S, D, BKV, THREADS>(sK, pk + pre + size_t(GF) * D, k + own, c0, NTAP, ROWS_ALL, tid);
+load_span<T, S, D, BKV, THREADS>(sV, pv + pre + size_t(GF) * D, v + own, c0, NTAP, ROWS_ALL, tid);
+load_tile(0, 0);
+cp_commit();
+
+const int kr0 = grp * 16;                         // the warp's key rows in the block
+const int first_row = c0 + kr0 + (lane >> 2);     // this lane's rows: first_row, first_row + 8
+float dk_acc[1][NDC][4], dv_acc[1][NDC][4];
+zero(dk_acc);
+zero(dv_acc);
+u32 ka[1][D / 16][4], va[1][D / 16][4];  // KREG: the warp's K and V fragments
+for (int t = 0; t < tiles; ++t) {
+  cp_wait<0>();
+  __syncthreads();  // tile t is in; every warp is done with tile t - 1's buffers
+  if (t + 1 < tiles) {
+    load_tile(t + 1, (t + 1) & 1);
   }
-  for (int g = 0; g < R; ++g) {
-    const size_t qrows = size_t(b * HQ + hk * R + g) * L;
-    for (int q0 = block_first - block_first % BQ; q0 < L; q0 += BQ) {
-      __syncthreads();  // the previous tile's Q, dO, lse and delta are no longer read
-      stage_rows<T, T, D>(sQ, LD, BQ, [&](int r, const T*& a, const T*&) {
-        a = q0 + r < L ? q + (qrows + q0 + r) * D : nullptr;
-      }, tid, THREADS);
-      stage_rows<T, T, D>(sdO, LD, BQ, [&](int r, const T*& a, const T*&) {
-        a = q0 + r < L ? d_out + (qrows + q0 + r) * D : nullptr;
-      }, tid, THREADS);
-      for (int r = tid; r < BQ; r += THREADS) {
-        sL[r] = q0 + r < L ? lse[qrows + q0 + r] : 0.0f;
-        sDelta[r] = q0 + r < L ? delta[qrows + q0 + r] : 0.0f;
-      }
-      __syncthreads();
-      rows_by_rows<T, D, BQ / 16>(sS + warp * 16 * LS, LS, sK + warp * 16 * LD, LD, sQ, LD);
-      rows_by_rows<T, D, BQ / 16>(sdP + warp * 16 * LS, LS, sV + warp * 16 * LD, LD, sdO, LD);
-      __syncwarp();
-      for (int col = half * 16; col < half * 16 + 16; ++col) {
-        const int i = q0 + col;
-        const bool sees = i < L && i >= first && c < ROWS_ALL;
-        const float p = sees ? expf(sS[row * LS + col] * sc - sL[col]) : 0.0f;
-        sP[row * LP + col] = static_cast<T>(p);
-        sdS[row * LP + col] = static_cast<T>(p * (sdP[row * LS + col] - sDelta[col]));
-      }
-      __syncwarp();
-      accumulate_in<T, BQ, NF>(acc_v, sP + warp * 16 * LP, LP, sdO + part * DA, LD);
-      accumulate_in<T, BQ, NF>(acc_k, sdS + warp * 16 * LP, LP, sQ + part * DA, LD);
+  cp_commit();
+  if constexpr (KREG) {
+    if (t == 0) {
+      load_a<T, D, P, 1>(ka, sK + kr0 * P, lane);
+      load_a<T, D, P, 1>(va, sV + kr0 * P, lane);
     }
   }
-  const size_t at = (size_t(b * HKV + hk) * PADDED + c0 + warp * 16) * D + part * DA;
+  const int stage = t & 1;
+  const int q0 = qs + (t % per_head) * BM;
+  const T* tQ = sQ + stage * BM * P;
+  const T* tdO = sdO + stage * BM * P;
+  const int col0 = part * QC;  // the warp's first query column in the tile
+  float s[1][NQ][4], dp[1][NQ][4];
+  zero(s);
+  zero(dp);
+  if constexpr (KREG) {
+    mma_nt_ra<T, D, P, 1, NQ>(s, ka, tQ + col0 * P, lane);
+    mma_nt_ra<T, D, P, 1, NQ>(dp, va, tdO + col0 * P, lane);
+  } else {
+    mma_nt<T, D, P, 1, NQ>(s, sK + kr0 * P, tQ + col0 * P, lane);
+    mma_nt<T, D, P, 1, NQ>(dp, sV + kr0 * P, tdO + col0 * P, lane);
+  }
+  // Key row r sees query i when i < L and (r is a tap, or i >= r - NTAP).
+  const bool edge = q0 + col0 + QC > L || c0 + kr0 + 15 - NTAP > q0 + col0;
 #pragma unroll
-  for (int n = 0; n < NF; ++n) {
-    for (int e = 0; e < acc_k[n].num_elements; ++e) {
-      acc_k[n].x[e] *= sc;
+  for (int nt = 0; nt < NQ; ++nt) {
+    const int col = col0 + nt * 8 + 2 * (lane & 3);
+    const float2 lc = *reinterpret_cast<const float2*>(sL + stage * BM + col);
+    const float2 dc = *reinterpret_cast<const float2*>(sDl + stage * BM + col);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float p = ex2(fmaf(s[0][nt][e], c, -((e & 1) ? lc.y : lc.x) * LOG2E));
+      if (edge) {
+        const int i = q0 + col + (e & 1), row = first_row + 8 * (e >> 1);
+        p = i < L && (row < NTAP || i >= row - NTAP) ? p : 0.0f;
+      }
+      s[0][nt][e] = p;
+      dp[0][nt][e] = p * (dp[0][nt][e] - ((e & 1) ? dc.y : dc.x));  // dS^T
     }
-    wm::store_matrix_sync(dk + at + n * 16, acc_k[n], D, wm::mem_row_major);
-    wm::store_matrix_sync(dv + at + n * 16, acc_v[n], D, wm::mem_row_major);
+  }
+  u32 mp[1][KQ][4], md[1][KQ][4];  // this warp's columns, packed
+  to_a<T, 1, NQ>(mp, s);
+  to_a<T, 1, NQ>(md, dp);
+  u32 pa[1][KB][4], da[1][KB][4];  // the whole tile's
+  if constexpr (SPLIT == 1) {
+#pragma unroll
+    for (int kk = 0; kk < KQ; ++kk) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        pa[0][kk][r] = mp[0][kk][r];
+        da[0][kk][r] = md[0][kk][r];
+      }
+    }
+  } else {
+    u32* mine = sX + warp * (2 * KQ * 4 * 32);
+    const u32* theirs = sX + (warp ^ 1) * (2 * KQ * 4 * 32);
+#pragma unroll
+    for (int kk = 0; kk < KQ; ++kk) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        mine[(kk * 4 + r) * 32 + lane] = mp[0][kk][r];
+        mine[((KQ + kk) * 4 + r) * 32 + lane] = md[0][kk][r];
+      }
+    }
+    bar_sync(1 + grp, 64);  // the pair's fragments are both written
+#pragma unroll
+    for (int kk = 0; kk < KQ; ++kk) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const u32 op = theirs[(kk * 4 + r) * 32 + lane];
+        const u32 od = theirs[((KQ + kk) * 4 + r) * 32 + lane];
+        pa[0][kk][r] = part == 0 ? mp[0][kk][r] : op;  // columns [0, QC): part 0's
+        da[0][kk][r] = part == 0 ? md[0][kk][r] : od;
+        pa[0][(KQ + kk) % KB][r] = part == 0 ? op : mp[0][kk][r];  // [QC, BM): part 1's
+        da[0][(KQ + kk) % KB][r] = part == 0 ? od : md[0][kk][r];
+      }
+    }
+  }
+  mma_nn<T, KB, P, 1, NDC>(dv_acc, pa, tdO + part * DC, lane);
+  mma_nn<T, KB, P, 1, NDC>(dk_acc, da, tQ + part * DC, lane);
+}
+#pragma unroll
+for (int hh = 0; hh < 2; ++hh) {
+  const int row = first_row + 8 * hh;
+  if (row < ROWS_ALL) {
+    const size_t at = (size_t(b * HKV + hk) * ROWS_ALL + row) * D + part * DC + 2 * (lane & 3);
+#pragma unroll
+    for (int nd = 0; nd < NDC; ++nd) {
+      *reinterpret_cast<float2*>(dk + at + nd * 8) =
+          make_float2(dk_acc[0][nd][2 * hh] * sc, dk_acc[0][nd][2 * hh + 1] * sc);
+      *reinterpret_cast<float2*>(dv + at + nd * 8) =
+          make_float2(dv_acc[0][nd][2 * hh], dv_acc[0][nd][2 * hh + 1]);
+    }
   }
 }

@@ -1,79 +1,129 @@
-// Chunk attention backward, dQ, on tensor cores (CUDA only; the contract of dq.metal/dq.cu).
-// A block of W warps takes 16 W query rows of one head; per tile of 32 keys: S = Q K^T and
-// dP = dO V^T on tensor cores, dS = P (dP - delta) in float32, dQ += dS K on tensor cores (dQ in
-// registers).
+// Chunk attention backward, dQ, on tensor cores (CUDA only; the contract of dq.metal/dq.cu),
+// FlashAttention-2's dQ pass without atomics: the forward's ownership (a block of NW warps owns
+// BQ = 16 MT NW query rows of one head, each warp MT m-tiles of 16 rows), the keys walked in
+// tiles of BN, K and V double buffered through cp.async. Per tile and warp: S = Q K^T and
+// dP = dO V^T on tensor cores (Q and dO fragments from shared memory, or in registers when
+// QREG), P = exp(S scale - lse) recomputed from the forward's log-sum-exp, dS = P (dP - delta)
+// in float32 in registers, packed to T where it was computed and used as the A operand of
+// dQ += dS K (K read transposed by ldmatrix). dQ stays in registers, written once in float32.
+// Template: T, S, D, MT, NW, BN, QREG (metal_kernels/attention/blocks.py).
 using namespace mlxwalk_tc;
-constexpr int BQ = 16 * W, BK = 32, THREADS = 32 * W;
-constexpr int LD = Pitch<D>::half, LP = Pitch<D>::tile, LS = Pitch<D>::score, LA = Pitch<D>::acc;
-extern __shared__ __align__(32) unsigned char smem[];
-T* sQ = reinterpret_cast<T*>(smem);                   // BQ x D
-T* sdO = sQ + BQ * LD;                                // BQ x D
-T* sK = sdO + BQ * LD;                                // BK x D
-T* sV = sK + BK * LD;                                 // BK x D
-T* sdS = sV + BK * LD;                                // BQ x BK
-float* sS = reinterpret_cast<float*>(sdS + BQ * LP);  // BQ x BK
-float* sdP = sS + BQ * LS;                            // BQ x BK
-float* sA = reinterpret_cast<float*>(smem);           // BQ x D dQ, over the rest at the end
+constexpr int BQ = 16 * MT * NW, THREADS = 32 * NW, P = D + PAD;
+constexpr int NT = BN / 8, ND = D / 8;
+extern __shared__ __align__(16) unsigned char smem[];
+T* sQ = reinterpret_cast<T*>(smem);  // BQ x P
+T* sdO = sQ + BQ * P;                // BQ x P
+T* sK = sdO + BQ * P;                // 2 x BN x P
+T* sV = sK + 2 * BN * P;             // 2 x BN x P
 
-const int B = params[0], HQ = params[1], HKV = params[2], L = params[3];
+const int HQ = params[1], HKV = params[2], L = params[3];
 const int N = params[4], START = params[5], BS = params[7];
-const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 const int blocks = (L + BQ - 1) / BQ;
-const int q0 = (blockIdx.x % blocks) * BQ, h = (blockIdx.x / blocks) % HQ;
-const int b = blockIdx.x / (blocks * HQ), hk = h / (HQ / HKV);
-const size_t own = size_t(b * HKV + hk) * L * D;
+const int q0 = (blocks - 1 - int(blockIdx.x % blocks)) * BQ;  // the longest rows go first
+const int h = (blockIdx.x / blocks) % HQ, b = blockIdx.x / (blocks * HQ);
+const int hk = h / (HQ / HKV);
+const T* k_own = k + size_t(b * HKV + hk) * L * D;
+const T* v_own = v + size_t(b * HKV + hk) * L * D;
 const size_t pre = size_t((BS > 1 ? b : 0) * HKV + hk) * N * D;
+const S* k_pre = pk + pre;
+const S* v_pre = pv + pre;
 const size_t qrows = size_t(b * HQ + h) * L;
-const float sc = scale[0];
+const float sc = scale[0], c = sc * LOG2E;
 
-stage_rows<T, T, D>(sQ, LD, BQ, [&](int r, const T*& a, const T*&) {
-  a = q0 + r < L ? q + (qrows + q0 + r) * D : nullptr;
-}, tid, THREADS);
-stage_rows<T, T, D>(sdO, LD, BQ, [&](int r, const T*& a, const T*&) {
-  a = q0 + r < L ? d_out + (qrows + q0 + r) * D : nullptr;
-}, tid, THREADS);
-FragC acc[D / 16];
-#pragma unroll
-for (int n = 0; n < D / 16; ++n) {
-  wm::fill_fragment(acc[n], 0.0f);
-}
-const int row = warp * 16 + lane / 2, half = lane % 2;
-const int i = q0 + row;
-const int seen = START + min(i, L - 1) + 1;
-const float lse_i = i < L ? lse[qrows + i] : 0.0f, delta_i = i < L ? delta[qrows + i] : 0.0f;
+// Key rows: [0, START) from the store, [START, START + L) the chunk's own, zeros past them.
+auto load_keys = [&](int stage, int k0) {
+  load_span<T, S, D, BN, THREADS>(sK + stage * BN * P, k_pre, k_own, k0, START, START + L, tid);
+  load_span<T, S, D, BN, THREADS>(sV + stage * BN * P, v_pre, v_own, k0, START, START + L, tid);
+};
 const int kend = START + min(q0 + BQ, L);
-for (int k0 = 0; k0 < kend; k0 += BK) {
-  auto keys = [&](const T* own_rows, const S* store) {
-    return [=](int r, const T*& a, const S*& s) {
-      const int j = k0 + r;
-      if (j < START) {
-        s = store + pre + size_t(j) * D;
-      } else if (j < START + L) {
-        a = own_rows + own + size_t(j - START) * D;
-      }
-    };
-  };
-  stage_rows<T, S, D>(sK, LD, BK, keys(k, pk), tid, THREADS);
-  stage_rows<T, S, D>(sV, LD, BK, keys(v, pv), tid, THREADS);
-  __syncthreads();
-  rows_by_rows<T, D, BK / 16>(sS + warp * 16 * LS, LS, sQ + warp * 16 * LD, LD, sK, LD);
-  rows_by_rows<T, D, BK / 16>(sdP + warp * 16 * LS, LS, sdO + warp * 16 * LD, LD, sV, LD);
-  __syncwarp();
-  for (int c = half * 16; c < half * 16 + 16; ++c) {
-    const float p = k0 + c < seen && i < L ? expf(sS[row * LS + c] * sc - lse_i) : 0.0f;
-    sdS[row * LP + c] = static_cast<T>(p * (sdP[row * LS + c] - delta_i));
+const int tiles = (kend + BN - 1) / BN;
+const T* q_rows = q + qrows * D;
+const T* o_rows = d_out + qrows * D;
+load_span<T, T, D, BQ, THREADS>(sQ, q_rows, q_rows, q0, 0, L, tid);
+load_span<T, T, D, BQ, THREADS>(sdO, o_rows, o_rows, q0, 0, L, tid);
+load_keys(0, 0);
+cp_commit();
+
+const int row0 = warp * 16 * MT;
+const int last = START + q0 + row0 + 16 * MT - 1;
+float nl[MT][2], dl[MT][2];  // per row: -lse in log2 units, and delta
+#pragma unroll
+for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int i = q0 + row0 + mt * 16 + (lane >> 2) + 8 * hh;
+    nl[mt][hh] = i < L ? -lse[qrows + i] * LOG2E : 0.0f;
+    dl[mt][hh] = i < L ? delta[qrows + i] : 0.0f;
   }
-  __syncwarp();
-  accumulate_in<T, BK, D / 16>(acc, sdS + warp * 16 * LP, LP, sK, LD);
-  __syncthreads();
+}
+float acc[MT][ND][4];
+zero(acc);
+u32 qa[MT][D / 16][4];  // QREG: the warp's Q fragments
+u32 oa[MT][D / 16][4];  // and dO's
+for (int t = 0; t < tiles; ++t) {
+  cp_wait<0>();
+  __syncthreads();  // tile t is in; every warp is done with tile t - 1's buffers
+  if (t + 1 < tiles) {
+    load_keys((t + 1) & 1, (t + 1) * BN);
+  }
+  cp_commit();
+  if constexpr (QREG) {
+    if (t == 0) {
+      load_a<T, D, P, MT>(qa, sQ + row0 * P, lane);
+      load_a<T, D, P, MT>(oa, sdO + row0 * P, lane);
+    }
+  }
+  const int k0 = t * BN;
+  if (k0 > last) {
+    continue;
+  }
+  const T* tK = sK + (t & 1) * BN * P;
+  const T* tV = sV + (t & 1) * BN * P;
+  float s[MT][NT][4], dp[MT][NT][4];
+  zero(s);
+  zero(dp);
+  if constexpr (QREG) {
+    mma_nt_ra<T, D, P, MT, NT>(s, qa, tK, lane);
+    mma_nt_ra<T, D, P, MT, NT>(dp, oa, tV, lane);
+  } else {
+    mma_nt<T, D, P, MT, NT>(s, sQ + row0 * P, tK, lane);
+    mma_nt<T, D, P, MT, NT>(dp, sdO + row0 * P, tV, lane);
+  }
+  const bool causal = k0 + BN - 1 > START + q0 + row0;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int hh = e >> 1;
+        float p = ex2(fmaf(s[mt][nt][e], c, nl[mt][hh]));
+        if (causal) {
+          const int i = q0 + row0 + mt * 16 + (lane >> 2) + 8 * hh;
+          const int j = k0 + nt * 8 + 2 * (lane & 3) + (e & 1);
+          p = j > START + i ? 0.0f : p;
+        }
+        s[mt][nt][e] = p * (dp[mt][nt][e] - dl[mt][hh]);  // dS
+      }
+    }
+  }
+  u32 da[MT][NT / 2][4];
+  to_a<T, MT, NT>(da, s);
+  mma_nn<T, NT / 2, P, MT, ND>(acc, da, tK, lane);
 }
 #pragma unroll
-for (int n = 0; n < D / 16; ++n) {
-  wm::store_matrix_sync(sA + warp * 16 * LA + n * 16, acc[n], LA, wm::mem_row_major);
-}
-__syncwarp();
-if (i < L) {
-  for (int d = half; d < D; d += 2) {
-    dq[(qrows + i) * D + d] = sA[row * LA + d] * sc;
+for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int i = q0 + row0 + mt * 16 + (lane >> 2) + 8 * hh;
+    if (i < L) {
+      float* out = dq + (qrows + i) * D + 2 * (lane & 3);
+#pragma unroll
+      for (int nd = 0; nd < ND; ++nd) {
+        *reinterpret_cast<float2*>(out + nd * 8) =
+            make_float2(acc[mt][nd][2 * hh] * sc, acc[mt][nd][2 * hh + 1] * sc);
+      }
+    }
   }
 }

@@ -1,102 +1,180 @@
-// Chunk attention forward on tensor cores (CUDA only; float16/bfloat16 inputs, float32
-// accumulation): the contract of forward.metal/forward.cu. A block of W warps takes 16 W query
-// rows of one head and walks the keys in tiles of 32: S = Q K^T and O += P V on tensor cores, the
-// online softmax in float32 with two lanes per row, O in registers, rescaled per row each tile.
+// Chunk attention forward on tensor cores (CUDA only; float16/bfloat16 queries, float32
+// accumulation), FlashAttention-2's forward with the contract of forward.metal/forward.cu.
+// A block of NW warps owns BQ = 16 MT NW query rows of one head, each warp MT m-tiles of 16
+// rows; it walks the keys the block sees (the prefix [0, START) from the store, then its own
+// chunk causally) in tiles of BN keys, K and V double buffered in shared memory through
+// cp.async (the next tile is in flight while this one is computed; one barrier per tile).
+// Per tile and warp: S = Q K^T on tensor cores (Q's fragments from shared memory, or kept in
+// registers when QREG), the online softmax in float32 in registers (log2 domain, quad
+// shuffles for the row max, O rescaled only when a row's max grows past 2^8), P packed to T
+// in the registers that computed it and used at once as the A operand of O += P V. O, the row
+// max and the row sum stay in registers; the output is written once, in float32, with the
+// log-sum-exp.
+// Template: T, S (the store's dtype), D, MT, NW, BN, QREG (metal_kernels/attention/blocks.py).
 using namespace mlxwalk_tc;
-constexpr int BQ = 16 * W, BK = 32, THREADS = 32 * W;
-constexpr int LD = Pitch<D>::half, LP = Pitch<D>::tile, LS = Pitch<D>::score, LO = Pitch<D>::acc;
-extern __shared__ __align__(32) unsigned char smem[];
-T* sQ = reinterpret_cast<T*>(smem);                  // BQ x D
-T* sK = sQ + BQ * LD;                                // BK x D
-T* sV = sK + BK * LD;                                // BK x D
-T* sP = sV + BK * LD;                                // BQ x BK probabilities
-float* sS = reinterpret_cast<float*>(sP + BQ * LP);  // BQ x BK scores
-float* sCorr = sS + BQ * LS;                         // BQ per-row rescaling of O
-float* sO = reinterpret_cast<float*>(smem);          // BQ x D output, over the rest at the end
+constexpr int BQ = 16 * MT * NW, THREADS = 32 * NW, P = D + PAD;
+constexpr int NT = BN / 8, ND = D / 8;  // n-tiles of a score tile, of an output row block
+extern __shared__ __align__(16) unsigned char smem[];
+T* sQ = reinterpret_cast<T*>(smem);  // BQ x P
+T* sK = sQ + BQ * P;                 // 2 x BN x P
+T* sV = sK + 2 * BN * P;             // 2 x BN x P
 
-const int B = params[0], HQ = params[1], HKV = params[2], L = params[3];
+const int HQ = params[1], HKV = params[2], L = params[3];
 const int N = params[4], START = params[5], BS = params[7];
-const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 const int blocks = (L + BQ - 1) / BQ;
-const int q0 = (blockIdx.x % blocks) * BQ, h = (blockIdx.x / blocks) % HQ;
-const int b = blockIdx.x / (blocks * HQ), hk = h / (HQ / HKV);
-const size_t own = size_t(b * HKV + hk) * L * D;
+const int q0 = (blocks - 1 - int(blockIdx.x % blocks)) * BQ;  // the longest rows go first
+const int h = (blockIdx.x / blocks) % HQ, b = blockIdx.x / (blocks * HQ);
+const int hk = h / (HQ / HKV);
+const T* k_own = k + size_t(b * HKV + hk) * L * D;
+const T* v_own = v + size_t(b * HKV + hk) * L * D;
 const size_t pre = size_t((BS > 1 ? b : 0) * HKV + hk) * N * D;
+const S* k_pre = pk + pre;
+const S* v_pre = pv + pre;
 const size_t qrows = size_t(b * HQ + h) * L;
-const float sc = scale[0];
+const float sc = scale[0], c = sc * LOG2E;
 
-stage_rows<T, T, D>(sQ, LD, BQ, [&](int r, const T*& a, const T*&) {
-  a = q0 + r < L ? q + (qrows + q0 + r) * D : nullptr;
-}, tid, THREADS);
-FragC acc[D / 16];
+const int kend = START + min(q0 + BQ, L);  // keys the block's last row sees
+const int tiles = (kend + BN - 1) / BN;
+// Key rows: [0, START) from the store, [START, START + L) the chunk's own, zeros past them.
+auto load_keys = [&](int stage, int k0) {
+  load_span<T, S, D, BN, THREADS>(sK + stage * BN * P, k_pre, k_own, k0, START, START + L, tid);
+  load_span<T, S, D, BN, THREADS>(sV + stage * BN * P, v_pre, v_own, k0, START, START + L, tid);
+};
+const T* q_rows = q + qrows * D;
+load_span<T, T, D, BQ, THREADS>(sQ, q_rows, q_rows, q0, 0, L, tid);
+load_keys(0, 0);
+cp_commit();
+
+const int row0 = warp * 16 * MT;  // the warp's first row in the block
+const int last = START + q0 + row0 + 16 * MT - 1;  // the last key the warp's rows see
+float acc[MT][ND][4];
+zero(acc);
+float m[MT][2], l[MT][2];
 #pragma unroll
-for (int n = 0; n < D / 16; ++n) {
-  wm::fill_fragment(acc[n], 0.0f);
+for (int mt = 0; mt < MT; ++mt) {
+  m[mt][0] = m[mt][1] = neg_inf();
+  l[mt][0] = l[mt][1] = 0.0f;
 }
-const int row = warp * 16 + lane / 2, half = lane % 2;  // two lanes per row, 16 columns each
-const int i = q0 + row;
-const int seen = START + min(i, L - 1) + 1;  // keys row i sees
-const int kend = START + min(q0 + BQ, L);
-float m = MLXWALK_NEG_INF, l = 0.0f;
-for (int k0 = 0; k0 < kend; k0 += BK) {
-  auto keys = [&](const T* own_rows, const S* store) {
-    return [=](int r, const T*& a, const S*& s) {
-      const int j = k0 + r;
-      if (j < START) {
-        s = store + pre + size_t(j) * D;
-      } else if (j < START + L) {
-        a = own_rows + own + size_t(j - START) * D;
-      }
-    };
-  };
-  stage_rows<T, S, D>(sK, LD, BK, keys(k, pk), tid, THREADS);
-  stage_rows<T, S, D>(sV, LD, BK, keys(v, pv), tid, THREADS);
-  __syncthreads();
-  rows_by_rows<T, D, BK / 16>(sS + warp * 16 * LS, LS, sQ + warp * 16 * LD, LD, sK, LD);
-  __syncwarp();
-  float* s = sS + row * LS + half * 16;
-  float top = MLXWALK_NEG_INF;
-  for (int c = 0; c < 16; ++c) {
-    const float x = k0 + half * 16 + c < seen ? s[c] * sc : MLXWALK_NEG_INF;
-    s[c] = x;
-    top = fmaxf(top, x);
+u32 qa[MT][D / 16][4];  // QREG: the warp's Q fragments
+for (int t = 0; t < tiles; ++t) {
+  cp_wait<0>();
+  __syncthreads();  // tile t is in; every warp is done with tile t - 1's buffers
+  if (t + 1 < tiles) {
+    load_keys((t + 1) & 1, (t + 1) * BN);
   }
-  top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 1));
-  const float m_new = fmaxf(m, top);
-  const float corr = expf(m - m_new);
-  float sum = 0.0f;
-  for (int c = 0; c < 16; ++c) {
-    const float p = expf(s[c] - m_new);
-    sum += p;
-    sP[row * LP + half * 16 + c] = static_cast<T>(p);
-  }
-  l = l * corr + sum + __shfl_xor_sync(0xffffffffu, sum, 1);
-  m = m_new;
-  if (half == 0) {
-    sCorr[row] = corr;
-  }
-  __syncwarp();
-  const float lo = sCorr[warp * 16 + lane / 4], hi = sCorr[warp * 16 + lane / 4 + 8];
-#pragma unroll
-  for (int n = 0; n < D / 16; ++n) {
-#pragma unroll
-    for (int e = 0; e < acc[n].num_elements; ++e) {
-      acc[n].x[e] *= fragment_row(lane, e) < 8 ? lo : hi;
+  cp_commit();
+  if constexpr (QREG) {
+    if (t == 0) {
+      load_a<T, D, P, MT>(qa, sQ + row0 * P, lane);
     }
   }
-  accumulate_in<T, BK, D / 16>(acc, sP + warp * 16 * LP, LP, sV, LD);
-  __syncthreads();  // every warp is done with this tile's K and V
+  const int k0 = t * BN;
+  if (k0 > last) {
+    continue;  // past every row of this warp (the block's last tiles, causally)
+  }
+  const T* tK = sK + (t & 1) * BN * P;
+  const T* tV = sV + (t & 1) * BN * P;
+  float s[MT][NT][4];
+  zero(s);
+  if constexpr (QREG) {
+    mma_nt_ra<T, D, P, MT, NT>(s, qa, tK, lane);
+  } else {
+    mma_nt<T, D, P, MT, NT>(s, sQ + row0 * P, tK, lane);
+  }
+  if (k0 + BN - 1 > START + q0 + row0) {  // the tile reaches past the warp's first row: causal
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = q0 + row0 + mt * 16 + (lane >> 2) + 8 * (e >> 1);
+          const int j = k0 + nt * 8 + 2 * (lane & 3) + (e & 1);
+          if (j > START + i) {
+            s[mt][nt][e] = neg_inf();
+          }
+        }
+      }
+    }
+  }
+  // The online softmax. Each row keeps a reference max m (raw score units): P = 2^(c (s - m)).
+  // The reference moves, rescaling O and the row sum, only where the tile's max passes it by
+  // more than 8 in log2 units, and only in a tile where some row of the warp needs it (a vote):
+  // over a long prefix the max settles within a few tiles, and P stays at most 2^8 meanwhile.
+  // Exact either way: the log-sum-exp is taken against the same reference.
+  float top[MT][2];
+  bool move = false;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {  // rows g and g + 8 of the m-tile
+      float x = neg_inf();
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        x = fmaxf(x, fmaxf(s[mt][nt][2 * hh], s[mt][nt][2 * hh + 1]));
+      }
+      top[mt][hh] = quad_max(x);
+      move = move || (top[mt][hh] - m[mt][hh]) * c > 8.0f;  // m = -inf at first: true
+    }
+  }
+  if (__any_sync(0xffffffffu, move)) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        // Tile 0 holds key 0, which every row sees: m is finite from then on.
+        const float m_new = fmaxf(m[mt][hh], top[mt][hh]);
+        const float corr = ex2((m[mt][hh] - m_new) * c);
+        m[mt][hh] = m_new;
+        l[mt][hh] *= corr;
+#pragma unroll
+        for (int nd = 0; nd < ND; ++nd) {
+          acc[mt][nd][2 * hh] *= corr;
+          acc[mt][nd][2 * hh + 1] *= corr;
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const float mc = m[mt][hh] * c;
+      float sum = 0.0f;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+        for (int e = 2 * hh; e < 2 * hh + 2; ++e) {
+          const float p = ex2(fmaf(s[mt][nt][e], c, -mc));
+          s[mt][nt][e] = p;
+          sum += p;
+        }
+      }
+      l[mt][hh] += sum;  // this lane's part of the row sum
+    }
+  }
+  u32 pa[MT][NT / 2][4];
+  to_a<T, MT, NT>(pa, s);
+  mma_nn<T, NT / 2, P, MT, ND>(acc, pa, tV, lane);
 }
 #pragma unroll
-for (int n = 0; n < D / 16; ++n) {
-  wm::store_matrix_sync(sO + warp * 16 * LO + n * 16, acc[n], LO, wm::mem_row_major);
-}
-__syncwarp();
-if (i < L) {
-  for (int d = half; d < D; d += 2) {
-    o[(qrows + i) * D + d] = sO[row * LO + d] / l;
-  }
-  if (half == 0) {
-    lse[qrows + i] = m + logf(l);
+for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const float total = quad_sum(l[mt][hh]);
+    const int i = q0 + row0 + mt * 16 + (lane >> 2) + 8 * hh;
+    if (i < L) {
+      const float inv = 1.0f / total;
+      float* out = o + (qrows + i) * D + 2 * (lane & 3);
+#pragma unroll
+      for (int nd = 0; nd < ND; ++nd) {
+        *reinterpret_cast<float2*>(out + nd * 8) =
+            make_float2(acc[mt][nd][2 * hh] * inv, acc[mt][nd][2 * hh + 1] * inv);
+      }
+      if ((lane & 3) == 0) {
+        lse[qrows + i] = m[mt][hh] * sc + logf(total);
+      }
+    }
   }
 }
