@@ -51,6 +51,7 @@ sys.path.insert(0, str(ROOT))
 
 GIB = 1024**3
 MARK = "RESULT "
+GOALS_MS = {64: 18.0, 128: 25.0, 256: 54.0}  # the new kernels' fwd+bwd at the benchmark shape
 
 
 # Cases: name, batch, query heads, kv heads, L, start, grad_from, store batch, spare store rows,
@@ -532,6 +533,9 @@ def time_table(rows: list[dict]) -> list[str]:
             )
         else:
             peak = f"{r['peak_gib']:.2f}" if "peak_gib" in r else ""
+            if r["variant"] == "new" and r["part"] == "fwd+bwd" and r["dim"] in GOALS_MS:
+                goal = GOALS_MS[r["dim"]]
+                r = {**r, "note": f"goal {goal:.0f} ms: {'met' if r['ms'] <= goal else 'not met'}"}
             out.append(
                 f"| {r['dim']} | {r['variant']} | {r['part']} | {r['ms']:.2f} | {peak} | "
                 f"{r['tflops']:.0f} | {r.get('note', '')} |"
