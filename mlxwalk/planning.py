@@ -25,7 +25,7 @@ def report(model, name: str, window: int, config: WalkConfig, echo=print) -> boo
     try:  # with a memory budget: admission, and a longer checkpoint stride if that fits it
         if config.device_budget is not None:
             reach = plan_window(labelled.labels, config.chunk, layout.footprint()).chunks[-1].start
-            probe(model, config.chunk, config.recompute, config.attention, reach, echo)
+            probe(model, config, reach, echo)
         walk = ExactWalk(model, labelled, config)
     except OutOfMemory as e:
         echo(f"verdict: does not fit: {e}")

@@ -21,7 +21,7 @@ def window(n, seed=0):
 def test_estimate_is_within_15_percent_of_the_measured_peak(measured, model, n, chunk, horizon):
     model = measured[model]
     walk = ExactWalk(model, window(n), WalkConfig(chunk=chunk, horizon=horizon))
-    acts = probe(model, chunk)
+    acts = probe(model, WalkConfig(chunk=chunk))
     est = budget.estimate(model, walk.layout, acts, walk.plan, "float32", optimizer_factor=2)
     measured = budget.live_peak(walk.run)
     predicted = est.total - est.weights  # the weights were loaded before the measurement
@@ -32,7 +32,7 @@ def budgets(model, n, chunk):
     """(the walk's memory with one chunk of taps, with every prefix position tapped) for the last
     chunk: weights, adapter, store, accumulators and the graph."""
     walk = ExactWalk(model, window(n), WalkConfig(chunk=chunk))
-    acts = walk.acts = probe(model, chunk)
+    acts = walk.acts = probe(model, WalkConfig(chunk=chunk))
     est = walk.measure(walk.plan)  # with whatever else is alive, as the walk counts it
     fp = walk.layout.footprint()
     rest = est.total - est.graph
@@ -95,9 +95,13 @@ def test_a_budget_below_one_chunk_of_taps_is_refused_before_the_walk(measured):
 
 
 def test_the_probe_is_keyed_by_everything_that_changes_it(qwen2):
-    key = probes.probe_key(qwen2, 256, False, "auto")
-    assert probes.probe_key(qwen2, 256, False, "auto") == key
-    for other in [(512, False, "auto"), (256, True, "auto"), (256, False, "fused")]:
-        assert probes.probe_key(qwen2, *other) != key
+    base = WalkConfig(chunk=256)
+    key = probes.probe_key(qwen2, base)
+    assert probes.probe_key(qwen2, WalkConfig(chunk=256, horizon=64)) == key  # no change
+    for other in ({"chunk": 512}, {"recompute": True}, {"attention": "fused"},
+                  {"cache_type": "bfloat16"}):  # fmt: skip
+        assert probes.probe_key(qwen2, WalkConfig(**{"chunk": 256, **other})) != key, other
+    kept = probes.probe_key(qwen2, WalkConfig(chunk=256, recompute=True))
+    assert probes.probe_key(qwen2, WalkConfig(chunk=256, recompute=True, keep_inputs="off")) != kept
     qwen2.layers[0].self_attn.q_proj.lora_a = qwen2.layers[0].self_attn.q_proj.lora_a[:, :4]
-    assert probes.probe_key(qwen2, 256, False, "auto") != key  # another adapter shape
+    assert probes.probe_key(qwen2, base) != key  # another adapter shape

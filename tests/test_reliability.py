@@ -328,7 +328,7 @@ def test_probes_draw_ids_the_model_has(small_vocab, monkeypatch):
     monkeypatch.setattr(probes, "measure", spy)
     monkeypatch.setattr(probes, "TILE", 64)  # a short probe: only its ids are looked at
     monkeypatch.setattr(probes, "_probes", {})  # a fresh cache, the shared one kept
-    acts = probe(model, 64)
+    acts = probe(model, WalkConfig(chunk=64))
     assert seen and max(seen) < 212 and acts.graph < 256 * MIB
     table = exactness.Table(exactness.prepare(model), "vocab212")
     assert max(table.x.max(), table.y.max()) < 212

@@ -50,9 +50,9 @@ def test_no_taps_accumulators_or_kept_inputs_beneath_the_stem(qwen2, monkeypatch
         seen = {}
         reverse = walk.reverse
 
-        def spy():  # the decode's kept inputs, as the reverse pass starts
+        def spy(chunks=None):  # the decode's kept inputs, as the reverse pass starts
             seen["kept"] = {i: [k is not None for k in ks] for i, ks in walk.kept.items()}
-            return reverse()
+            return reverse(chunks)
 
         walk.reverse = spy
         monkeypatch.setattr(exact, "Accumulators", spying(seen, exact.Accumulators))

@@ -70,8 +70,7 @@ class ExactWalk(ChunkRunner):
         if device is None:
             return None
         self.refuse_floor(device)
-        self.acts = probe(self.model, self.config.chunk, self.config.recompute,
-                          self.config.attention, reach=self.plan.chunks[-1].start)  # fmt: skip
+        self.acts = probe(self.model, self.config, reach=self.plan.chunks[-1].start)
         est = self.measure(self.plan)
         last = self.plan.chunks[-1]
         one_chunk = min(self.plan.chunk, last.start - last.grad_from)  # the fewest taps there are
@@ -109,6 +108,14 @@ class ExactWalk(ChunkRunner):
         inputs = budget.inputs_bytes(self.layout, plan, self.stem) if self.keep else 0
         resident = max(0, mx.get_active_memory() - est.weights - est.adapter)
         return replace(est, resident=resident, inputs=inputs)
+
+    def held(self) -> int:
+        """What this walk holds besides a chunk's graph: its store, accumulators, checkpoints and
+        kept inputs (the probe subtracts them from its walks' peaks)."""
+        est = budget.estimate(self.model, self.layout, budget.Activations(self.plan.chunk, 0, 0),
+                              self.plan, self.config.cache_type)  # fmt: skip
+        inputs = budget.inputs_bytes(self.layout, self.plan, self.stem) if self.keep else 0
+        return est.store + est.accumulators + est.checkpoints + inputs
 
     def graph_bytes(self, taps: int, prefix: int) -> int:
         return budget.graph_bytes(self.acts, self.layout.footprint(), taps, prefix)
@@ -155,7 +162,10 @@ class ExactWalk(ChunkRunner):
                     "--chunk"
                 )
 
-    def run(self) -> tuple[mx.array, dict]:
+    def run(self, chunks: int | None = None) -> tuple[mx.array, dict]:
+        """The window's loss and gradient. `chunks`: the reverse pass stops after that many
+        chunks (the memory probe: its first chunk, the one reading the longest prefix, holds the
+        walk's largest graph)."""
         limit = None
         # On the CPU and Metal, MLX's scheduler waits for work to finish past its memory limit.
         # On CUDA the limit only makes its allocator return cached buffers through the stream's
@@ -166,7 +176,7 @@ class ExactWalk(ChunkRunner):
         try:
             with walking(self.model, self.config.recompute, self.stem):
                 self.decode_forward()
-                return self.reverse()
+                return self.reverse(chunks)
         finally:
             self.kept = {}  # a chunk the reverse pass did not need leaves its inputs here
             if limit is not None:
@@ -203,14 +213,14 @@ class ExactWalk(ChunkRunner):
             state = self.decode(c, state, write=False)
         return state
 
-    def reverse(self) -> tuple[mx.array, dict]:
+    def reverse(self, chunks: int | None = None) -> tuple[mx.array, dict]:
         lay = self.layout
         tapped = [i >= self.stem for i in lay.attention]
         acc = Accumulators(
             list(lay.kv_shapes), self.plan.computed, self.config.accumulator_dtype, tapped
         )
         loss = mx.array(0.0)
-        order = self.plan.reverse()
+        order = self.plan.reverse()[:chunks]
         for done, chunk in enumerate(order, 1):
             loss = loss + self.train_chunk(chunk, acc)
             mx.eval(loss)
@@ -246,21 +256,18 @@ class ExactWalk(ChunkRunner):
         return loss
 
 
-def probe(
-    model,
-    chunk: int,
-    recompute: bool = False,
-    attention: str = "auto",
-    reach: int | None = None,
-    echo=None,
-) -> budget.Activations:
-    """One chunk's graph on this model (probe.py), measured by exact walks of its own over at
-    most `reach` positions of prefix (None: as far as the probe goes)."""
+def probe(model, config: WalkConfig, reach: int | None = None, echo=None) -> budget.Activations:
+    """One chunk's graph on this model (probe.py), measured by exact walks of its own with the
+    run's chunk, recompute, attention path, store type and kept inputs, over at most `reach`
+    positions of prefix (None: as far as the probe goes)."""
+    keep = "on" if config.recompute and config.keep_inputs != "off" else "off"
+    base = WalkConfig(chunk=config.chunk, recompute=config.recompute, attention=config.attention,
+                      cache_type=config.cache_type, keep_inputs=keep)  # fmt: skip
 
     def peak(ids: np.ndarray, n: int, horizon: int) -> int:
-        config = WalkConfig(chunk=chunk, horizon=horizon, recompute=recompute, attention=attention)
         window = Window.of(ids[:n], ids[1 : n + 1], np.ones(n))
-        return budget.live_peak(lambda: ExactWalk(model, window, config).run())
+        walk = ExactWalk(model, window, replace(base, horizon=horizon))
+        return budget.live_peak(lambda: walk.run(chunks=1)) - walk.held()
 
-    reach = probes.prefix_for(chunk, 1 << 62) if reach is None else reach
-    return probes.cached(model, chunk, recompute, attention, reach, peak, echo)
+    reach = probes.prefix_for(config.chunk, 1 << 62) if reach is None else reach
+    return probes.cached(model, config, reach, peak, echo)

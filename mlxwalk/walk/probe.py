@@ -3,14 +3,19 @@ since it depends on every layer's implementation. Three walks: a window of one c
 whose last chunk reads a prefix two attention tiles long (or as long as the run's longest, if
 shorter), tapped whole and over one chunk only; their peaks give the graph with no prefix and what
 each prefix position adds, tapped or not. A run whose chunks read no prefix takes the first walk
-only. Run only under a memory budget (the exact walk's `admit`), cached per `probe_key`: a probe
-over a longer prefix serves every run that reads a shorter one."""
+only. Each walk decodes its window and trains its last chunk only, the one that holds its largest
+graph. Run only under a memory budget (the exact walk's `admit`), cached per `probe_key`: a probe
+over a longer prefix serves every run that reads a shorter one. The walks take the run's store
+type and kept inputs (a float32 store under a bfloat16 model, for one, adds casts of the prefix to
+the graph that a bfloat16 store does not), and what they hold besides the graph is subtracted as
+the estimate counts it apart."""
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
 
+import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
@@ -18,37 +23,47 @@ from ..ops.attention import TILE
 from . import arch
 from .budget import Activations
 
-# a walk's peak over ids[:n] at a horizon (0 = whole), less nothing: (ids, n, horizon) -> bytes
+# the graph of a walk over ids[:n] at a horizon (0 = whole): its peak less what the walk holds
+# besides (its store, accumulators, checkpoints, kept inputs): (ids, n, horizon) -> bytes
 Measure = Callable[[np.ndarray, int, int], int]
 
 _probes: dict[tuple, tuple[weakref.ref, int, Activations]] = {}
 
 
-def probe_key(model, chunk: int, recompute: bool, attention: str) -> tuple:
+def probe_key(model, config) -> tuple:
     """Everything that changes a probe's result: the model object, the chunk, recompute, the
-    attention path, and the trainable parameters (which adapters, at which shapes and dtypes)."""
+    attention path, the store's type, kept inputs, and the trainable parameters (which adapters,
+    at which shapes and dtypes)."""
     trainable = tuple((k, tuple(v.shape), str(v.dtype))
                       for k, v in tree_flatten(model.trainable_parameters()))  # fmt: skip
-    return id(model), chunk, recompute, attention, hash(trainable)
+    keep = config.recompute and config.keep_inputs != "off"
+    return (id(model), config.chunk, config.recompute, config.attention, config.cache_type, keep,
+            hash(trainable))  # fmt: skip
 
 
-def prefix_for(chunk: int, reach: int) -> int:
+def prefix_for(chunk: int, reach: int, long: bool | None = None) -> int:
     """The prefix the probe's longer walks read: two attention tiles, rounded up to whole
-    chunks, or the run's longest prefix `reach` (in whole chunks) when that is shorter."""
-    return min(chunk * -(-2 * TILE // chunk), reach // chunk * chunk)
+    chunks, or the run's longest prefix `reach` (in whole chunks) when that is shorter. `long`
+    (default: on CUDA) reads at least half the run's reach: there a graph's peak holds buffers
+    the backend has freed but not yet reclaimed, which grow faster with the prefix than the
+    live set does, so a short prefix's slope under-reads a long one (the 27B-shaped hybrid:
+    estimated 37.9 GiB, peaked 50.45, docs/BENCHMARKS.md)."""
+    long = mx.cuda.is_available() if long is None else long
+    far = chunk * -(-2 * TILE // chunk)
+    if long:
+        far = max(far, reach // 2)
+    return min(far, reach) // chunk * chunk
 
 
-def cached(
-    model, chunk: int, recompute: bool, attention: str, reach: int, peak: Measure, echo=None
-) -> Activations:
+def cached(model, config, reach: int, peak: Measure, echo=None) -> Activations:
     """The probe for this key, measured with `peak` the first time or when the cached one read a
     shorter prefix than this run reaches (a probe belongs to the model object it measured: an id
     is reused once its model is gone). `echo` hears each walk as it starts."""
-    key = probe_key(model, chunk, recompute, attention)
-    far = prefix_for(chunk, reach)
+    key = probe_key(model, config)
+    far = prefix_for(config.chunk, reach)
     ref, measured, acts = _probes.get(key, (None, -1, None))
     if ref is None or ref() is not model or measured < far:
-        acts = measure(model, chunk, far, peak, echo)
+        acts = measure(model, config.chunk, far, peak, echo)
         _probes[key] = (weakref.ref(model), far, acts)
     return acts
 
@@ -59,11 +74,11 @@ def measure(model, chunk: int, far: int, peak: Measure, echo=None) -> Activation
     ids = np.random.default_rng(0).integers(0, layout.vocab, chunk + far + 1)  # ids the model has
     walks = [(chunk, 0)] + ([(chunk + far, 0), (chunk + far, chunk)] if far else [])
 
-    def graph(i: int) -> float:  # less the store and accumulators of n positions
+    def graph(i: int) -> float:
         n, horizon = walks[i]
         if echo is not None:
             echo(f"  measuring one chunk's graph: walk {i + 1} of {len(walks)}, {n:,} positions")
-        return peak(ids, n, horizon) - 2 * n * width
+        return peak(ids, n, horizon)
 
     one = graph(0)
     if not far:  # no chunk of the run reads a prefix
