@@ -158,6 +158,11 @@ def test_routing(monkeypatch):
     monkeypatch.setattr(routing, "_verdicts", {routing.Case("cuda", mx.float32, 64, 2): True})
     assert path(q, k, None) == "kernel"
     assert path(q, k, None, auto=True) == "twin"  # CUDA at 64: mlx-lm's fused path wins
+    h, hk = mx.zeros((1, 4, 8, 256), mx.bfloat16), mx.zeros((1, 2, 8, 256), mx.bfloat16)
+    routing._verdicts[routing.Case("cuda", mx.bfloat16, 256, 2)] = True
+    routing._verdicts[routing.Case("cuda", mx.float32, 256, 2)] = True
+    assert path(h, hk, None, auto=True) == "kernel"  # CUDA at 256, bf16: the kernels win
+    assert path(h.astype(mx.float32), hk.astype(mx.float32), None, auto=True) == "twin"
     x80, x64 = mx.zeros((1, 2, 8, 80)), mx.zeros((1, 2, 8, 64))
     assert not attention_kernels.supports(x80, x80, x80, None)  # not a multiple of 32
     assert not attention_kernels.supports(x64, x64, mx.zeros((1, 2, 8, 32)), None)  # dv != dk

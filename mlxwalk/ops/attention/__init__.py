@@ -38,12 +38,15 @@ PATHS = {
 }
 
 
-# The head dims at which `auto` routes to the CUDA kernel. None: on the H200 it loses to MLX's own
-# path at every head dim (scripts/bench-attention.py, docs/BENCHMARKS.md: 3.6-8.9x cuDNN's time
-# at 64 and 128, 3.6-7.0x the unfused path's at 256), so `auto` keeps mlx-lm's attention there;
-# the kernel runs when the walk asks for the prefix read in place (attention "tiled"), where its
-# memory stays flat.
-CUDA_HEAD_DIMS: tuple[int, ...] = ()
+# The head dims at which `auto` routes half-precision attention to the CUDA tensor-core kernels,
+# by the H200's table (scripts/h200-attention.py, docs/BENCHMARKS.md; bf16 forward+backward, 4,096
+# queries over 61,440 + 4,096 keys, 14/2 heads): at 256 the kernels take 64.3 ms and 0.41 GiB
+# against MLX's unfused path's 79.1 ms and 23 GiB (cuDNN stops at 128); at 64 and 128 cuDNN's
+# fused path wins (9.1 against 14.7 ms, 13.7 against 30.2). Float32 keeps MLX's path there: its
+# kernels are the scalar ones. Elsewhere the kernel runs when the walk asks for the prefix read
+# in place (attention "tiled"), where its memory stays flat.
+CUDA_HEAD_DIMS: tuple[int, ...] = (256,)
+CUDA_DTYPES = (mx.float16, mx.bfloat16)
 
 
 def path(
@@ -59,7 +62,8 @@ def path(
         return "twin"
     if not attention_kernels.supports(q, k, k if v is None else v, arrays[0].dtype):
         return "twin"
-    if auto and case.backend == "cuda" and case.dim not in CUDA_HEAD_DIMS and not routing.forced():
+    measured = case.dim in CUDA_HEAD_DIMS and case.dtype in CUDA_DTYPES
+    if auto and case.backend == "cuda" and not measured and not routing.forced():
         return "twin"
     if not routing.decide(case, check.kernel_vs_twin, check.race):
         return "twin"
