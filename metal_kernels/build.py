@@ -70,8 +70,13 @@ def kernel(spec: Spec, backend: str, shared_memory: int = 0):
     if backend not in spec.backends:
         raise RuntimeError(f"{spec.name} has no {backend} source")
     header, body = source(spec, backend)
-    common = {"name": spec.name, "input_names": list(spec.inputs),
-              "output_names": list(spec.outputs), "source": body, "header": header}  # fmt: skip
+    common = {
+        "name": spec.name,
+        "input_names": list(spec.inputs),
+        "output_names": list(spec.outputs),
+        "source": body,
+        "header": header,
+    }
     if backend == "metal":
         return mx.fast.metal_kernel(**common)
     return mx.fast.cuda_kernel(**common, shared_memory=shared_memory)

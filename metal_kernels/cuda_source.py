@@ -13,8 +13,13 @@ import mlx.core as mx
 
 from .build import Launch, source
 
-_TYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16",
-          mx.int32: "int32_t", mx.uint32: "uint32_t"}  # fmt: skip
+_TYPES = {
+    mx.float32: "float",
+    mx.float16: "__half",
+    mx.bfloat16: "__nv_bfloat16",
+    mx.int32: "int32_t",
+    mx.uint32: "uint32_t",
+}
 PRELUDE = """#include <cstdint>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>

@@ -34,8 +34,9 @@ def use_openblas() -> str | None:
     if loaded or choice == "off" or not sys.platform.startswith("linux"):
         return loaded
     if choice and not os.path.isfile(choice):
-        raise ValueError(f"MLXWALK_BLAS={choice!r} is unknown: give off, or the path of an "
-                         "OpenBLAS library")  # fmt: skip
+        raise ValueError(
+            f"MLXWALK_BLAS={choice!r} is unknown: give off, or the path of an OpenBLAS library"
+        )
     import mlx.core as mx
 
     if mx.default_device().type != mx.cpu:  # a GPU does the work: nothing to route or say
@@ -48,8 +49,9 @@ def use_openblas() -> str | None:
         blas = ctypes.CDLL(library)
         libmlx, base = _mapped("libmlx.so")
         slots = _jump_slots(libmlx, set(GEMMS))
-        targets = {name: ctypes.cast(getattr(blas, prefix + name), ctypes.c_void_p).value
-                   for name in slots}  # fmt: skip
+        targets = {
+            name: ctypes.cast(getattr(blas, prefix + name), ctypes.c_void_p).value for name in slots
+        }
         for name, offset in slots.items():
             written[base + offset] = ctypes.c_void_p.from_address(base + offset).value
             _write_pointer(base + offset, targets[name])
@@ -75,9 +77,11 @@ def _check() -> None:
 
 
 def _not_used(why: str) -> None:
-    print(f"mlxwalk: MLX's CPU matrix products stay on its reference BLAS, 25-50x slower ({why}); "
-          "pip install scipy-openblas32, or set MLXWALK_BLAS=off to keep it quietly",
-          file=sys.stderr)  # fmt: skip
+    print(
+        f"mlxwalk: MLX's CPU matrix products stay on its reference BLAS, 25-50x slower ({why}); "
+        "pip install scipy-openblas32, or set MLXWALK_BLAS=off to keep it quietly",
+        file=sys.stderr,
+    )
     return None
 
 

@@ -247,35 +247,81 @@ def random_bf16(p: mx.array) -> mx.array:
 # scripts/profile-*); `small` shrinks every dimension to check a script on a CPU.
 SHAPES = {
     "qwen2-0.5b": dict(
-        model_type="qwen2", hidden_size=896, num_hidden_layers=24, intermediate_size=4864,
-        num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, rms_norm_eps=1e-6,
-        rope_theta=1000000.0, max_position_embeddings=131072, tie_word_embeddings=True,
+        model_type="qwen2",
+        hidden_size=896,
+        num_hidden_layers=24,
+        intermediate_size=4864,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=131072,
+        tie_word_embeddings=True,
     ),
     "qwen3_5-0.8b": dict(
-        model_type="qwen3_5", hidden_size=1024, num_hidden_layers=24, intermediate_size=3584,
-        num_attention_heads=8, num_key_value_heads=2, head_dim=256, vocab_size=248320,
-        rms_norm_eps=1e-6, max_position_embeddings=262144, tie_word_embeddings=True,
-        full_attention_interval=4, linear_num_key_heads=16, linear_num_value_heads=16,
-        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
-                         "partial_rotary_factor": 0.25},
+        model_type="qwen3_5",
+        hidden_size=1024,
+        num_hidden_layers=24,
+        intermediate_size=3584,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=256,
+        vocab_size=248320,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=262144,
+        tie_word_embeddings=True,
+        full_attention_interval=4,
+        linear_num_key_heads=16,
+        linear_num_value_heads=16,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000000.0,
+            "partial_rotary_factor": 0.25,
+        },
     ),
     "llama3-8b": dict(
-        model_type="llama", hidden_size=4096, num_hidden_layers=32, intermediate_size=14336,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
-        rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072,
+        model_type="llama",
+        hidden_size=4096,
+        num_hidden_layers=32,
+        intermediate_size=14336,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        max_position_embeddings=131072,
         tie_word_embeddings=False,
     ),
     "qwen3_5-27b": dict(
-        model_type="qwen3_5", hidden_size=5120, num_hidden_layers=64, intermediate_size=17408,
-        num_attention_heads=24, num_key_value_heads=4, head_dim=256, vocab_size=248320,
-        rms_norm_eps=1e-6, max_position_embeddings=262144, tie_word_embeddings=False,
-        full_attention_interval=4, linear_num_key_heads=16, linear_num_value_heads=48,
-        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
-                         "partial_rotary_factor": 0.25},
+        model_type="qwen3_5",
+        hidden_size=5120,
+        num_hidden_layers=64,
+        intermediate_size=17408,
+        num_attention_heads=24,
+        num_key_value_heads=4,
+        head_dim=256,
+        vocab_size=248320,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=262144,
+        tie_word_embeddings=False,
+        full_attention_interval=4,
+        linear_num_key_heads=16,
+        linear_num_value_heads=48,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000000.0,
+            "partial_rotary_factor": 0.25,
+        },
     ),
-}  # fmt: skip
+}
 SMALL = dict(hidden_size=128, num_hidden_layers=4, intermediate_size=256, vocab_size=512)
 
 
@@ -317,9 +363,15 @@ def shaped(name: str, small: bool = False, bits: int | None = None):
     rest = [(k, random_bf16(v)) for k, v in tree_flatten(model.parameters()) if ".layers." not in k]
     model.load_weights(rest, strict=False)
     if bits:
-        nn.quantize(model, group_size=64, bits=bits, class_predicate=lambda _, m: (
-            hasattr(m, "to_quantized") and not isinstance(m, (nn.QuantizedLinear,
-                                                              nn.QuantizedEmbedding))))  # fmt: skip
+        nn.quantize(
+            model,
+            group_size=64,
+            bits=bits,
+            class_predicate=lambda _, m: (
+                hasattr(m, "to_quantized")
+                and not isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+            ),
+        )
     adapters.apply(model, adapters.LoraConfig(rank=8, scale=20.0, num_layers=16))
     mx.eval(model.parameters())
     n = sum(v.size for _, v in tree_flatten(model.parameters()))

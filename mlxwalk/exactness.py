@@ -122,8 +122,9 @@ def refusal_row(model: str, message: str, untouched: bool) -> Row:
         ", adapter untouched" if untouched else ", adapter changed"
     )
     ok = "host memory" in message and untouched
-    return Row(model, "(3)", "host budget of 1 byte", "refused, adapter untouched", ok,
-               detail=detail)  # fmt: skip
+    return Row(
+        model, "(3)", "host budget of 1 byte", "refused, adapter untouched", ok, detail=detail
+    )
 
 
 class Table:
@@ -158,10 +159,12 @@ class Table:
         )
         for attention in ("tiled", "fused"):
             self.compared(
-                "(1a)", f"{attention} attention ({ATTENTION[attention]}): exact vs one graph",
-                EXACT, lambda a=attention: self.grad(every, chunk=self.chunk, attention=a),
+                "(1a)",
+                f"{attention} attention ({ATTENTION[attention]}): exact vs one graph",
+                EXACT,
+                lambda a=attention: self.grad(every, chunk=self.chunk, attention=a),
                 lambda: one,
-            )  # fmt: skip
+            )
         self.compared(
             "(1)",
             f"every position labelled, {k} chunks: plain vs one graph",
@@ -173,13 +176,24 @@ class Table:
             what = f"{cache} cache: exact vs float32 one graph"
             if cache == "q8" and not q8_fits(self.layout.head_dims):
                 dims = ", ".join(map(str, self.layout.head_dims))
-                self.rows.append(Row(self.name, "(1b)", what, bar, True,
-                                     detail=f"not offered: head dimension {dims}"))  # fmt: skip
+                self.rows.append(
+                    Row(
+                        self.name,
+                        "(1b)",
+                        what,
+                        bar,
+                        True,
+                        detail=f"not offered: head dimension {dims}",
+                    )
+                )
                 continue
             self.compared(
-                "(1b)", what, bar,
-                lambda c=cache: self.grad(every, chunk=self.chunk, cache_type=c), lambda: one,
-            )  # fmt: skip
+                "(1b)",
+                what,
+                bar,
+                lambda c=cache: self.grad(every, chunk=self.chunk, cache_type=c),
+                lambda: one,
+            )
         self.compared(
             "(1c)",
             "bfloat16 accumulators vs float32",

@@ -16,15 +16,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from .errors import ConfigError, DataError, OutOfMemory, PlanError  # noqa: F401  (re-exported)
+
 MIB = 1 << 20
-
-
-class PlanError(ValueError):
-    """A window the walk cannot take, named in one line."""
-
-
-class OutOfMemory(PlanError):
-    """A window that does not fit a memory budget; the message names which memory."""
 
 
 @dataclass(frozen=True)
@@ -149,11 +143,11 @@ def cut(weights: Sequence[float] | Labels, chunk: int, follow_runs: bool = True)
     (no chunk crosses a change of weight) unless `follow_runs` is off, when they are simply
     consecutive: a chat's many short turns would otherwise make many small chunks."""
     if chunk < 1:
-        raise PlanError(f"chunk must be at least 1, got {chunk}")
+        raise ConfigError(f"chunk must be at least 1, got {chunk}")
     labels = weights if isinstance(weights, Labels) else Labels.of(weights)
     last = labels.end
     if last == 0:
-        raise PlanError("the window has no labelled position (every weight is 0)")
+        raise DataError("the window has no labelled position (every weight is 0)")
     if follow_runs:
         edges = [(s, min(e, last)) for s, e, _ in labels.runs if s < last]
     else:
@@ -234,7 +228,7 @@ def plan_window(
     weights: per position, or as Labels; host_budget is in bytes (None = unbounded).
     """
     if horizon < 0:
-        raise PlanError(f"horizon must be 0 (the whole window) or positive, got {horizon}")
+        raise ConfigError(f"horizon must be 0 (the whole window) or positive, got {horizon}")
     chunks = mark(cut(weights, chunk, follow_runs), horizon, footprint.recurrent)
     positions = chunks[-1].end
     acc = accumulator_bytes(positions, footprint, accumulator_element_bytes)

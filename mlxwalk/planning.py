@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .plan import OutOfMemory, PlanError, mib, plan_window
+from .errors import ConfigError, OutOfMemory
+from .plan import mib, plan_window
 from .training import adapters
 from .walk import ExactWalk, WalkConfig, Window, arch, budget, machine
 from .walk.exact import probe
@@ -17,9 +18,11 @@ def report(model, name: str, window: int, config: WalkConfig, echo=print) -> boo
     without one, this machine). Nothing here holds a value per position of the window."""
     layout = arch.inspect(model)
     horizon = config.horizon or "the whole window"
-    echo(f"model {name} ({layout.model_type}: {len(layout.attention)} attention layers, "
-         f"{len(layout.recurrent)} recurrent), window {window}, chunk {config.chunk}, "
-         f"horizon {horizon}, cache {config.cache_type}")  # fmt: skip
+    echo(
+        f"model {name} ({layout.model_type}: {len(layout.attention)} attention layers, "
+        f"{len(layout.recurrent)} recurrent), window {window}, chunk {config.chunk}, "
+        f"horizon {horizon}, cache {config.cache_type}"
+    )
     config, default = with_default_budget(config, echo)
     labelled = Window.labelled(window)
     try:  # with a memory budget: admission, and a longer checkpoint stride if that fits it
@@ -33,8 +36,10 @@ def report(model, name: str, window: int, config: WalkConfig, echo=print) -> boo
     plan = walk.plan
     echo(f"  {len(plan.chunks)} chunks, checkpoint stride {plan.stride}")
     if walk.stem:
-        echo(f"  layers 0-{walk.stem - 1} train nothing and have nothing trainable beneath them: "
-             "no taps or accumulators there, and the reverse pass starts above them")  # fmt: skip
+        echo(
+            f"  layers 0-{walk.stem - 1} train nothing and have nothing trainable beneath them: "
+            "no taps or accumulators there, and the reverse pass starts above them"
+        )
     # Without a budget nothing is probed: the graph's share is measured only when it matters.
     unmeasured = budget.Activations(config.chunk, 0.0, 0.0)
     est = walk.estimate or budget.estimate(model, layout, unmeasured, plan, config.cache_type)
@@ -54,9 +59,11 @@ def report(model, name: str, window: int, config: WalkConfig, echo=print) -> boo
         echo(f"memory: {mib(est.total)} needed, budget {mib(device)} ({given}): fits")
         echo("verdict: fits")
         return True
-    echo(f"memory: {mib(est.total)} at the full horizon, budget {mib(device)} ({given}): late "
-         "chunks narrow their horizon to fit (the forward still sees the whole window, the "
-         "gradient is no longer exact)")  # fmt: skip
+    echo(
+        f"memory: {mib(est.total)} at the full horizon, budget {mib(device)} ({given}): late "
+        "chunks narrow their horizon to fit (the forward still sees the whole window, the "
+        "gradient is no longer exact)"
+    )
     echo("verdict: fits with a narrowed horizon")
     return True
 
@@ -78,10 +85,15 @@ def machine_verdict(total: int, echo) -> bool:
         echo("verdict: fits no stated budget (give --memory-budget-mib to check one)")
         return True
     fits = total <= memory.bytes
-    echo(f"memory: {mib(total)} needed, no budget; this machine has {memory.said()}: "
-         + ("fits" if fits else "does not fit"))  # fmt: skip
-    echo("verdict: fits" if fits else f"verdict: does not fit this machine: {mib(total)} needed, "
-         f"{mib(memory.bytes)} there")  # fmt: skip
+    echo(
+        f"memory: {mib(total)} needed, no budget; this machine has {memory.said()}: "
+        + ("fits" if fits else "does not fit")
+    )
+    echo(
+        "verdict: fits"
+        if fits
+        else f"verdict: does not fit this machine: {mib(total)} needed, {mib(memory.bytes)} there"
+    )
     return fits
 
 
@@ -95,7 +107,7 @@ def check(args) -> None:
         if getattr(args, name) is None and hasattr(defaults, name) and name != "window":
             setattr(args, name, getattr(defaults, name))
     if args.window is None:
-        raise PlanError("--window is required: the positions the walk will cover")
+        raise ConfigError("--window is required: the positions the walk will cover")
     for name in ("window", "chunk", "rank"):
         at_least(name, getattr(args, name), 1)
     at_least("horizon", args.horizon, 0, " (0 = the whole window)")
@@ -104,7 +116,7 @@ def check(args) -> None:
         positive(name, getattr(args, name))
     check_cache_type(args.cache_type)
     if args.backend not in ("mlx", "torch"):
-        raise PlanError(f"--backend {args.backend!r} is unknown; choose mlx or torch")
+        raise ConfigError(f"--backend {args.backend!r} is unknown; choose mlx or torch")
 
 
 def run(args) -> int:
@@ -122,7 +134,7 @@ def run(args) -> int:
     model, _ = models.load(args.model, tokenizer=False)
     limit = models.max_positions(model)
     if limit is not None and args.window > limit:
-        raise PlanError(f"--window {args.window} exceeds the model's maximum positions ({limit})")
+        raise ConfigError(f"--window {args.window} exceeds the model's maximum positions ({limit})")
     check_cache_type(args.cache_type, arch.inspect(model).head_dims)
     adapters.apply(model, adapters.LoraConfig(rank=args.rank, num_layers=args.num_layers))
     config = WalkConfig(

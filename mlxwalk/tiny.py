@@ -97,39 +97,72 @@ MODELS: dict[str, TinySpec] = {
 
 # The other families the walk supports, smaller still: the tests walk each exactly; `mlxwalk
 # test-walk-exact -m tiny-llama` (and so on) writes and checks one.
-_SMALL = {**_COMMON, "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 2,
-          "num_key_value_heads": 1, "rope_theta": 10000.0}  # fmt: skip
+_SMALL = {
+    **_COMMON,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "rope_theta": 10000.0,
+}
 FAMILIES: dict[str, TinySpec] = {
     "tiny-llama": TinySpec(
         "tiny-llama",
-        {**_SMALL, "model_type": "llama", "architectures": ["LlamaForCausalLM"],
-         "num_hidden_layers": 2},
+        {
+            **_SMALL,
+            "model_type": "llama",
+            "architectures": ["LlamaForCausalLM"],
+            "num_hidden_layers": 2,
+        },
         seed=4,
     ),
     "tiny-mistral": TinySpec(
         "tiny-mistral",
-        {**_SMALL, "model_type": "mistral", "architectures": ["MistralForCausalLM"],
-         "num_hidden_layers": 2, "sliding_window": None},
+        {
+            **_SMALL,
+            "model_type": "mistral",
+            "architectures": ["MistralForCausalLM"],
+            "num_hidden_layers": 2,
+            "sliding_window": None,
+        },
         seed=5,
     ),
     "tiny-qwen3": TinySpec(
         "tiny-qwen3",
-        {**_SMALL, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"],
-         "num_hidden_layers": 2, "head_dim": 64},
+        {
+            **_SMALL,
+            "model_type": "qwen3",
+            "architectures": ["Qwen3ForCausalLM"],
+            "num_hidden_layers": 2,
+            "head_dim": 64,
+        },
         seed=6,
     ),
     "tiny-qwen3_next": TinySpec(
         "tiny-qwen3_next",
-        {**_SMALL, "model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"],
-         "num_hidden_layers": 4, "full_attention_interval": 2, "head_dim": 64,
-         "linear_num_key_heads": 1, "linear_num_value_heads": 2, "linear_key_head_dim": 64,
-         "linear_value_head_dim": 64, "linear_conv_kernel_dim": 4, "num_experts": 4,
-         "num_experts_per_tok": 2, "decoder_sparse_step": 1, "mlp_only_layers": [],
-         "moe_intermediate_size": 64, "shared_expert_intermediate_size": 128,
-         "partial_rotary_factor": 0.25},
+        {
+            **_SMALL,
+            "model_type": "qwen3_next",
+            "architectures": ["Qwen3NextForCausalLM"],
+            "num_hidden_layers": 4,
+            "full_attention_interval": 2,
+            "head_dim": 64,
+            "linear_num_key_heads": 1,
+            "linear_num_value_heads": 2,
+            "linear_key_head_dim": 64,
+            "linear_value_head_dim": 64,
+            "linear_conv_kernel_dim": 4,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "moe_intermediate_size": 64,
+            "shared_expert_intermediate_size": 128,
+            "partial_rotary_factor": 0.25,
+        },
         seed=7,
     ),
-}  # fmt: skip
+}
 
 # Quantized as mlx-lm quantizes (affine, groups of 64; the embedding too), from the models above:
 # the walk over QuantizedLinear layers under LoRA, as most Mac users train.

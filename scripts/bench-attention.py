@@ -13,14 +13,11 @@ import argparse
 import os
 import platform
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import mlx.core as mx
 
-import mlx.core as mx  # noqa: E402
-
-from mlxwalk import bench, use_openblas  # noqa: E402
-from mlxwalk.ops.attention import Prefix, check, chunk_attention, path  # noqa: E402
+from mlxwalk import bench, use_openblas
+from mlxwalk.ops.attention import Prefix, check, chunk_attention, path
 
 use_openblas()  # MLX's CPU matrix products on OpenBLAS (mlxwalk/_blas.py)
 
@@ -87,8 +84,10 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--variants", nargs="+", default=["kernel", "fused sdpa", "unfused", "ops twin"])
     a = p.parse_args()
-    print(f"# one chunk's attention forward+backward, bf16: mlx {mx.__version__} on "
-          f"{mx.default_device()}, {platform.node()}, chunk {a.chunk}")  # fmt: skip
+    print(
+        f"# one chunk's attention forward+backward, bf16: mlx {mx.__version__} on "
+        f"{mx.default_device()}, {platform.node()}, chunk {a.chunk}"
+    )
     print("| head dim | GQA (heads) | prefix | variant | ms | peak over inputs GiB |")
     print("|---:|---|---:|---|---:|---:|")
     for dim in a.dims:

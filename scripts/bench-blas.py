@@ -30,8 +30,11 @@ def main() -> None:
     a = p.parse_args()
     print(f"{platform.machine()}, {os.cpu_count()} cores; float32 {a.n}x{a.n} matmul")
     print("| BLAS | GFLOP/s |\n|---|---:|")
-    for name, choice in (("reference (MLX's wheel)", "off"), ("scipy-openblas32 (pip)", ""),
-                         ("system OpenBLAS", SYSTEM)):  # fmt: skip
+    for name, choice in (
+        ("reference (MLX's wheel)", "off"),
+        ("scipy-openblas32 (pip)", ""),
+        ("system OpenBLAS", SYSTEM),
+    ):
         if choice == SYSTEM and not os.path.exists(SYSTEM):
             print(f"| {name} | not installed |")
             continue

@@ -16,21 +16,19 @@ import argparse
 import json
 import os
 import platform
-import sys
 import time
 from pathlib import Path
 
+import mlx.core as mx
+import mlx.optimizers as optim
+import numpy as np
+
+from mlxwalk import bench, use_openblas
+from mlxwalk.plan import MIB, OutOfMemory
+from mlxwalk.walk import ExactWalk, WalkConfig, Window, arch
+from mlxwalk.walk.guards import check_finite
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-import mlx.core as mx  # noqa: E402
-import mlx.optimizers as optim  # noqa: E402
-import numpy as np  # noqa: E402
-
-from mlxwalk import bench, use_openblas  # noqa: E402
-from mlxwalk.plan import MIB, OutOfMemory  # noqa: E402
-from mlxwalk.walk import ExactWalk, WalkConfig, Window, arch  # noqa: E402
-from mlxwalk.walk.guards import check_finite  # noqa: E402
 
 use_openblas()  # MLX's CPU matrix products on OpenBLAS (mlxwalk/_blas.py)
 
@@ -46,8 +44,12 @@ def one(model, optimizer, window: Window, config: WalkConfig) -> dict:
     try:
         walk = ExactWalk(model, window, config)
     except OutOfMemory as e:
-        return {**row, "verdict": "refused", "message": str(e),
-                "seconds": round(time.perf_counter() - t, 1)}  # fmt: skip
+        return {
+            **row,
+            "verdict": "refused",
+            "message": str(e),
+            "seconds": round(time.perf_counter() - t, 1),
+        }
     est = walk.estimate
     full = est.total if est else None
     phases = watch_phases(walk)
@@ -72,7 +74,7 @@ def one(model, optimizer, window: Window, config: WalkConfig) -> dict:
             2,
         )
         if est
-        else None,  # fmt: skip
+        else None,
         "parts_gib": {k: round(v / GIB, 2) for k, v in vars(est).items()} if est else None,
         "peak_gib": round(peak / GIB, 2),
         "peak_over_budget": round(peak / (budget * MIB), 3) if budget else None,
@@ -132,39 +134,56 @@ def main() -> None:
     t = time.perf_counter()
     model, n = bench.shaped(a.shape, a.small, a.bits or None)
     built = time.perf_counter() - t
-    print(f"# {a.shape}{' (small)' if a.small else ''}, {n / 1e9:.2f}B parameters, "
-          f"{a.bits or 16}-bit base, stem {arch.stem(model)} layers, built in {built:.0f} s, "
-          f"weights {mx.get_active_memory() / GIB:.2f} GiB; window {a.window}, chunk {a.chunk}, "
-          f"recompute {a.recompute}, keep inputs {a.keep_inputs}, cache {a.cache_type}; "
-          f"mlx {mx.__version__} on {mx.default_device()}, {platform.node()}",
-          flush=True)  # fmt: skip
+    print(
+        f"# {a.shape}{' (small)' if a.small else ''}, {n / 1e9:.2f}B parameters, "
+        f"{a.bits or 16}-bit base, stem {arch.stem(model)} layers, built in {built:.0f} s, "
+        f"weights {mx.get_active_memory() / GIB:.2f} GiB; window {a.window}, chunk {a.chunk}, "
+        f"recompute {a.recompute}, keep inputs {a.keep_inputs}, cache {a.cache_type}; "
+        f"mlx {mx.__version__} on {mx.default_device()}, {platform.node()}",
+        flush=True,
+    )
     vocab = arch.inspect(model).vocab
     ids = np.random.default_rng(a.window).integers(0, vocab, a.window + 1)
     window = Window.of(ids[:-1], ids[1:], np.ones(a.window))
     optimizer = optim.Adam(learning_rate=1e-5)
     optimizer.init(model.trainable_parameters())
     rows = []
-    print("| budget GiB | verdict | estimate GiB | peak GiB | peak / budget | horizon used | "
-          "stride | seconds |\n|---:|---|---:|---:|---:|---:|---:|---:|", flush=True)  # fmt: skip
+    print(
+        "| budget GiB | verdict | estimate GiB | peak GiB | peak / budget | horizon used | "
+        "stride | seconds |\n|---:|---|---:|---:|---:|---:|---:|---:|",
+        flush=True,
+    )
     for attention, gib in [(at, g) for at in a.attention for g in a.budgets_gib]:
-        config = WalkConfig(chunk=a.chunk, cache_type=a.cache_type, recompute=a.recompute,
-                            memory_budget_mib=gib * 1024 if gib else None, attention=attention,
-                            keep_inputs=a.keep_inputs)  # fmt: skip
+        config = WalkConfig(
+            chunk=a.chunk,
+            cache_type=a.cache_type,
+            recompute=a.recompute,
+            memory_budget_mib=gib * 1024 if gib else None,
+            attention=attention,
+            keep_inputs=a.keep_inputs,
+        )
         print(f"attention {attention}:", flush=True)
         r = one(model, optimizer, window, config)
         r["attention"] = attention
         rows.append(r)
         if r["verdict"] == "refused":
-            print(f"| {r['budget_gib']} | refused | | | | | | {r['seconds']} |\n  {r['message']}",
-                  flush=True)  # fmt: skip
+            print(
+                f"| {r['budget_gib']} | refused | | | | | | {r['seconds']} |\n  {r['message']}",
+                flush=True,
+            )
         else:
-            print(f"| {r['budget_gib'] or 'none'} | ran | {r['estimate_gib'] or '-'} | "
-                  f"{r['peak_gib']} | {r['peak_over_budget'] or '-'} | {r['horizon_used']} | "
-                  f"{r['stride']} | {r['seconds']} |", flush=True)  # fmt: skip
-            print(f"  estimate at the horizon used: {r['estimate_used_gib']} GiB; parts "
-                  f"{r['parts_gib']}\n  peaks by phase (GiB): {r['phases_gib']}\n  seconds by "
-                  f"phase: {r['phase_seconds']}",
-                  flush=True)  # fmt: skip
+            print(
+                f"| {r['budget_gib'] or 'none'} | ran | {r['estimate_gib'] or '-'} | "
+                f"{r['peak_gib']} | {r['peak_over_budget'] or '-'} | {r['horizon_used']} | "
+                f"{r['stride']} | {r['seconds']} |",
+                flush=True,
+            )
+            print(
+                f"  estimate at the horizon used: {r['estimate_used_gib']} GiB; parts "
+                f"{r['parts_gib']}\n  peaks by phase (GiB): {r['phases_gib']}\n  seconds by "
+                f"phase: {r['phase_seconds']}",
+                flush=True,
+            )
     if out := os.environ.get("OUT"):
         (Path(out) / "budget.json").write_text(json.dumps(rows, indent=2))
 

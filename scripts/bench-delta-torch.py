@@ -14,14 +14,11 @@ import argparse
 import sys
 import time
 import traceback
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
 
-import torch  # noqa: E402
-
-from mlxwalk import use_openblas  # noqa: E402
-from mlxwalk.torch_backend import delta  # noqa: E402
+from mlxwalk import use_openblas
+from mlxwalk.torch_backend import delta
 
 use_openblas()  # MLX's CPU matrix products on OpenBLAS (mlxwalk/_blas.py)
 
@@ -51,8 +48,17 @@ def ours(q, k, v, log_g, beta, s0):
 def fla_chunk(q, k, v, log_g, beta, s0):
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    y, s = chunk_gated_delta_rule(q, k, v, log_g, beta.to(q.dtype), scale=1.0, initial_state=s0,
-                                  output_final_state=True, state_v_first=True)  # fmt: skip
+    y, s = chunk_gated_delta_rule(
+        q,
+        k,
+        v,
+        log_g,
+        beta.to(q.dtype),
+        scale=1.0,
+        initial_state=s0,
+        output_final_state=True,
+        state_v_first=True,
+    )
     return y, s
 
 
@@ -100,8 +106,10 @@ def main() -> int:
         print("bench-delta-torch: no CUDA device")
         return 1
     dev = torch.device("cuda")
-    print(f"torch {torch.__version__} on {torch.cuda.get_device_name()}; layer {a.key_heads}/"
-          f"{a.value_heads} heads, dim {a.dim}, bf16 inputs, float32 state")  # fmt: skip
+    print(
+        f"torch {torch.__version__} on {torch.cuda.get_device_name()}; layer {a.key_heads}/"
+        f"{a.value_heads} heads, dim {a.dim}, bf16 inputs, float32 state"
+    )
     try:
         import fla
         import triton

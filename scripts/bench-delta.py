@@ -17,18 +17,15 @@ import os
 import platform
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import mlx.core as mx
+from mlx_lm.models.gated_delta import gated_delta_ops
 
-import mlx.core as mx  # noqa: E402
-from mlx_lm.models.gated_delta import gated_delta_ops  # noqa: E402
-
-from mlxwalk import bench, use_openblas  # noqa: E402
-from mlxwalk.exactness import prepare  # noqa: E402
-from mlxwalk.ops import delta, delta_scan  # noqa: E402
-from mlxwalk.ops.delta import gated_delta  # noqa: E402
-from mlxwalk.training import models  # noqa: E402
+from mlxwalk import bench, use_openblas
+from mlxwalk.exactness import prepare
+from mlxwalk.ops import delta, delta_scan
+from mlxwalk.ops.delta import gated_delta
+from mlxwalk.training import models
 
 use_openblas()  # MLX's CPU matrix products on OpenBLAS (mlxwalk/_blas.py)
 
@@ -93,8 +90,10 @@ def mlx_fast(q, k, v, log_g, beta, s):
 
 def compiled(a) -> int:
     """The ops twin's forward+backward with and without mx.compile, alternated, one process."""
-    print(f"mlx {mx.__version__} on {mx.default_device()}, {platform.machine()}; gated delta "
-          f"layer {a.key_heads}/{a.value_heads} heads, dim {a.dim}, float32, fwd+bwd")  # fmt: skip
+    print(
+        f"mlx {mx.__version__} on {mx.default_device()}, {platform.machine()}; gated delta "
+        f"layer {a.key_heads}/{a.value_heads} heads, dim {a.dim}, float32, fwd+bwd"
+    )
     print("| T | as is s | mx.compile s |\n|---:|---:|---:|")
     for t in a.lengths:
         xs = layer_inputs(t, a.key_heads, a.value_heads, a.dim)
@@ -129,8 +128,10 @@ def compiled(a) -> int:
 
 def kernels(a) -> int:
     """The chunked op with its recurrence on the scan kernels against the ops twin, one process."""
-    print(f"mlx {mx.__version__} on {mx.default_device()}, {platform.node()}; gated delta "
-          f"layer {a.key_heads}/{a.value_heads} heads, dim {a.dim}, float32, fwd+bwd")  # fmt: skip
+    print(
+        f"mlx {mx.__version__} on {mx.default_device()}, {platform.node()}; gated delta "
+        f"layer {a.key_heads}/{a.value_heads} heads, dim {a.dim}, float32, fwd+bwd"
+    )
     print("| T | chunk | path | seconds | peak MiB |\n|---:|---:|---|---:|---:|")
     for t in a.lengths:
         xs = layer_inputs(t, a.key_heads, a.value_heads, a.dim)

@@ -20,14 +20,13 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import mlx.core as mx
+
+from mlxwalk import bench, use_openblas
+from mlxwalk.ops import delta
+from mlxwalk.walk import WalkConfig
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-import mlx.core as mx  # noqa: E402
-
-from mlxwalk import bench, use_openblas  # noqa: E402
-from mlxwalk.ops import delta  # noqa: E402
-from mlxwalk.walk import WalkConfig  # noqa: E402
 
 use_openblas()  # MLX's CPU matrix products on OpenBLAS (mlxwalk/_blas.py)
 
@@ -58,11 +57,15 @@ def steps(model, kinds, windows, config, repeats, name, skip, limit_gib=None):
                 limit = limit_gib * 1024 if limit_gib and kind in ("exact", "plain") else None
                 r = bench.measure_step(model, kind, n, config, repeats, limit)
                 rows.append(r)
-                print(bench.table([r]).splitlines()[-1] + f"  ({time.perf_counter() - t:.0f} s)",
-                      flush=True)  # fmt: skip
+                print(
+                    bench.table([r]).splitlines()[-1] + f"  ({time.perf_counter() - t:.0f} s)",
+                    flush=True,
+                )
             except RuntimeError as e:
-                print(f"| {n} | {config.chunk} | {kind} | failed: {str(e).splitlines()[0]} |",
-                      flush=True)  # fmt: skip
+                print(
+                    f"| {n} | {config.chunk} | {kind} | failed: {str(e).splitlines()[0]} |",
+                    flush=True,
+                )
             mx.clear_cache()
         save(name, [r.as_dict() for r in rows])
     print(bench.table(rows))
@@ -75,9 +78,12 @@ def tried(model, kind: str, window: int, config, cap_mib: float) -> bool:
     t = time.perf_counter()
     why: list = []
     ok = bench.fits(model, kind, window, config, cap_mib, why)
-    print(f"  {kind} at {window}: {'fits' if ok else 'does not fit'} (peak "
-          f"{mx.get_peak_memory() / 2**30:.2f} GiB, {time.perf_counter() - t:.0f} s)"
-          + "".join(f"\n    {w}" for w in why), flush=True)  # fmt: skip
+    print(
+        f"  {kind} at {window}: {'fits' if ok else 'does not fit'} (peak "
+        f"{mx.get_peak_memory() / 2**30:.2f} GiB, {time.perf_counter() - t:.0f} s)"
+        + "".join(f"\n    {w}" for w in why),
+        flush=True,
+    )
     return ok
 
 
@@ -94,8 +100,12 @@ def main() -> int:
     p.add_argument("--kinds", nargs="+")
     p.add_argument("--attention", default="auto")
     p.add_argument("--recompute", action="store_true", help="the walks checkpoint every layer")
-    p.add_argument("--keep-inputs", default="auto", choices=["auto", "on", "off"],
-                   help="with --recompute: layer inputs kept from the decode")  # fmt: skip
+    p.add_argument(
+        "--keep-inputs",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="with --recompute: layer inputs kept from the decode",
+    )
     p.add_argument("--delta-chunk", type=int, help="the delta rule's chunk (default: by backend)")
     p.add_argument("--limit-gib", type=float, help="the walks run with MLX held to this limit")
     p.add_argument("--bits", type=int, default=0, help="bisect: quantize the base (0 = bf16)")
@@ -129,40 +139,55 @@ def main() -> int:
     )
     if a.what == "attention":
         model, n = bench.shaped("qwen2-0.5b", a.small)
-        header(f"qwen2-0.5b shape, {n / 1e6:.0f}M parameters, bf16, LoRA r8 on 16 layers, "
-               f"chunk {a.chunk}, attention {a.attention}, recompute {a.recompute} (keep inputs "
-               f"{a.keep_inputs}), "
-               f"walks' memory limit {a.limit_gib} GiB")  # fmt: skip
+        header(
+            f"qwen2-0.5b shape, {n / 1e6:.0f}M parameters, bf16, LoRA r8 on 16 layers, "
+            f"chunk {a.chunk}, attention {a.attention}, recompute {a.recompute} (keep inputs "
+            f"{a.keep_inputs}), "
+            f"walks' memory limit {a.limit_gib} GiB"
+        )
         windows = a.windows or [4096, 16384, 65536]
         kinds = a.kinds or ["mlx-lm+ckpt", "mlx-lm", "exact", "plain"]
         skip = {("mlx-lm", w): "no checkpointing at this window" for w in windows if w > 16384}
         steps(model, kinds, windows, config, a.repeats, "attention", skip, a.limit_gib)
     elif a.what == "hybrid":
         model, n = bench.shaped("qwen3_5-0.8b", a.small)
-        header(f"qwen3_5 hybrid, {n / 1e6:.0f}M parameters, bf16, LoRA r8 on 16 layers, "
-               f"chunk {a.chunk}, recompute {a.recompute}, "
-               f"delta chunk {delta.chunk_size()}")  # fmt: skip
+        header(
+            f"qwen3_5 hybrid, {n / 1e6:.0f}M parameters, bf16, LoRA r8 on 16 layers, "
+            f"chunk {a.chunk}, recompute {a.recompute}, "
+            f"delta chunk {delta.chunk_size()}"
+        )
         rows = steps(model, ["mlx-lm+ckpt"], a.mlx_lm_windows, config, 1, "hybrid-mlx-lm", {})
-        rows += steps(model, a.kinds or ["exact", "plain"], a.windows or [4096, 16384, 65536],
-                      config, a.repeats, "hybrid-walk", {})  # fmt: skip
+        rows += steps(
+            model,
+            a.kinds or ["exact", "plain"],
+            a.windows or [4096, 16384, 65536],
+            config,
+            a.repeats,
+            "hybrid-walk",
+            {},
+        )
         save("hybrid", [r.as_dict() for r in rows])
     else:
         model, n = bench.shaped(a.model, a.small, a.bits or None)
         cap = a.cap_gib * 1024
         if a.budget:
             config = replace(config, memory_budget_mib=cap, strict_exact=True)
-        header(f"largest window under {a.cap_gib} GiB, {a.model}, {n / 1e6:.0f}M parameters, "
-               f"{a.bits or 16}-bit base, weights {mx.get_active_memory() / 2**30:.2f} GiB, "
-               f"steps of {a.chunk} (the walks' chunk), cache {a.cache_type}, recompute "
-               f"{a.recompute}, keep inputs {a.keep_inputs}, walks budgeted "
-               f"{a.budget}")  # fmt: skip
+        header(
+            f"largest window under {a.cap_gib} GiB, {a.model}, {n / 1e6:.0f}M parameters, "
+            f"{a.bits or 16}-bit base, weights {mx.get_active_memory() / 2**30:.2f} GiB, "
+            f"steps of {a.chunk} (the walks' chunk), cache {a.cache_type}, recompute "
+            f"{a.recompute}, keep inputs {a.keep_inputs}, walks budgeted "
+            f"{a.budget}"
+        )
         found = {}
         for kind in a.kinds or ["mlx-lm", "mlx-lm+ckpt", "exact", "plain"]:
             t = time.perf_counter()
             found[kind] = bench.largest_window(
-                lambda w, k=kind: tried(model, k, w, config, cap), a.min_window or a.chunk,
-                a.max_window, a.chunk,
-            )  # fmt: skip
+                lambda w, k=kind: tried(model, k, w, config, cap),
+                a.min_window or a.chunk,
+                a.max_window,
+                a.chunk,
+            )
             print(f"| {kind} | {found[kind]} | ({time.perf_counter() - t:.0f} s)", flush=True)
             save("bisect", found)
     return 0

@@ -14,17 +14,14 @@ import argparse
 import platform
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import mlx.core as mx
+import numpy as np
 
-import mlx.core as mx  # noqa: E402
-import numpy as np  # noqa: E402
-
-from mlxwalk import use_openblas  # noqa: E402
-from mlxwalk.exactness import prepare  # noqa: E402
-from mlxwalk.training import models  # noqa: E402
-from mlxwalk.walk import ExactWalk, WalkConfig, Window, budget  # noqa: E402
+from mlxwalk import use_openblas
+from mlxwalk.exactness import prepare
+from mlxwalk.training import models
+from mlxwalk.walk import ExactWalk, WalkConfig, Window, budget
 
 use_openblas()  # MLX's CPU matrix products on OpenBLAS (mlxwalk/_blas.py)
 

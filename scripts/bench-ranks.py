@@ -28,8 +28,18 @@ def train(ranks: int, backend: str, args: list[str], out: Path) -> dict:
     cmd = [sys.executable, str(SCRIPT), *args, "--adapter-path", str(out)]
     if ranks > 1:  # ranks on one machine share its cores: OpenBLAS's threads split between them
         threads = max(1, (os.cpu_count() or 1) // ranks)
-        cmd = [str(LAUNCH), "-n", str(ranks), "--backend", backend, "--python", sys.executable,
-               "--env", f"OPENBLAS_NUM_THREADS={threads}", *cmd[1:]]  # fmt: skip
+        cmd = [
+            str(LAUNCH),
+            "-n",
+            str(ranks),
+            "--backend",
+            backend,
+            "--python",
+            sys.executable,
+            "--env",
+            f"OPENBLAS_NUM_THREADS={threads}",
+            *cmd[1:],
+        ]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if "error" in done.stderr or not (out / "report.json").exists():
         sys.exit(f"{ranks} rank(s): {done.stderr.strip()[-500:]}")
@@ -45,11 +55,25 @@ def main() -> int:
     p.add_argument("--chunk", type=int, default=512)
     p.add_argument("--backend", default="ring")
     a = p.parse_args()
-    args = ["train", "--model", a.model, "--iters", str(a.windows), "--epochs", "1",
-            "--window", str(a.window), "--chunk", str(a.chunk), "--no-progress"]  # fmt: skip
-    print(f"model {a.model}, {a.windows} windows of up to {a.window} tokens, chunk {a.chunk}, "
-          f"{platform.machine()} {platform.system()}, mlx.launch --backend {a.backend}",
-          flush=True)  # fmt: skip
+    args = [
+        "train",
+        "--model",
+        a.model,
+        "--iters",
+        str(a.windows),
+        "--epochs",
+        "1",
+        "--window",
+        str(a.window),
+        "--chunk",
+        str(a.chunk),
+        "--no-progress",
+    ]
+    print(
+        f"model {a.model}, {a.windows} windows of up to {a.window} tokens, chunk {a.chunk}, "
+        f"{platform.machine()} {platform.system()}, mlx.launch --backend {a.backend}",
+        flush=True,
+    )
     print("| ranks | steps | seconds | tokens/s | vs one rank | reduction s per step |")
     print("|---:|---:|---:|---:|---:|---:|")
     base = None
@@ -59,9 +83,11 @@ def main() -> int:
             epoch = r["epochs"][-1]
             steps = -(-r["windows"] // n)
             base = base or epoch["train_tok_s"]
-            print(f"| {n} | {steps} | {epoch['seconds']:.1f} | {epoch['train_tok_s']:,.0f} | "
-                  f"{epoch['train_tok_s'] / base:.2f}x | {r['reduce_seconds'] / steps:.4f} |",
-                  flush=True)  # fmt: skip
+            print(
+                f"| {n} | {steps} | {epoch['seconds']:.1f} | {epoch['train_tok_s']:,.0f} | "
+                f"{epoch['train_tok_s'] / base:.2f}x | {r['reduce_seconds'] / steps:.4f} |",
+                flush=True,
+            )
     return 0
 
 

@@ -23,20 +23,17 @@ import argparse
 import platform
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import numpy as np
+import torch
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from mlxwalk import use_openblas  # noqa: E402
-from mlxwalk.bench import SHAPES, SMALL  # noqa: E402
-from mlxwalk.plan import PlanError  # noqa: E402
-from mlxwalk.torch_backend import attention, recurrent  # noqa: E402
-from mlxwalk.torch_backend import model as models  # noqa: E402
-from mlxwalk.torch_backend.walk import TorchWalkConfig, train_window, weighted_loss  # noqa: E402
-from mlxwalk.walk.config import Window  # noqa: E402
+from mlxwalk import use_openblas
+from mlxwalk.bench import SHAPES, SMALL
+from mlxwalk.plan import PlanError
+from mlxwalk.torch_backend import attention, recurrent
+from mlxwalk.torch_backend import model as models
+from mlxwalk.torch_backend.walk import TorchWalkConfig, train_window, weighted_loss
+from mlxwalk.walk.config import Window
 
 use_openblas()  # MLX's CPU matrix products on OpenBLAS (mlxwalk/_blas.py)
 
@@ -168,7 +165,7 @@ def measure(
             if isinstance(v, str) or k == "horizon used"
             else f"{k} {v:.2f} {'GiB' if k in MEMORY else 's'}"
             for k, v in phases.items()
-        ),  # fmt: skip
+        ),
     )
 
 
@@ -248,8 +245,13 @@ def main() -> int:
     p.add_argument("--delta-rule", default="mlxwalk", choices=recurrent.ROUTES)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--small", action="store_true")
-    p.add_argument("--memory-budget-gib", type=float, nargs="+", default=[16.0],
-                   help="exact-budget: a row for each")  # fmt: skip
+    p.add_argument(
+        "--memory-budget-gib",
+        type=float,
+        nargs="+",
+        default=[16.0],
+        help="exact-budget: a row for each",
+    )
     p.add_argument("--attention-op", action="store_true", help="time the attention call only")
     a = p.parse_args()
     windows = a.windows or (

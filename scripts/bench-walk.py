@@ -15,14 +15,12 @@ import platform
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import mlx.core as mx
 
-import mlx.core as mx  # noqa: E402
-
-from mlxwalk import bench, use_openblas  # noqa: E402
-from mlxwalk.exactness import prepare  # noqa: E402
-from mlxwalk.training import models  # noqa: E402
-from mlxwalk.walk import WalkConfig  # noqa: E402
+from mlxwalk import bench, use_openblas
+from mlxwalk.exactness import prepare
+from mlxwalk.training import models
+from mlxwalk.walk import WalkConfig
 
 use_openblas()  # MLX's CPU matrix products on OpenBLAS (mlxwalk/_blas.py)
 
@@ -53,8 +51,9 @@ def main() -> int:
         flush=True,
     )
     if not a.vs_mlx_lm:
-        rows = [bench.measure(model, w, n, a.chunk, a.repeats)
-                for n in a.windows for w in bench.WALKS]  # fmt: skip
+        rows = [
+            bench.measure(model, w, n, a.chunk, a.repeats) for n in a.windows for w in bench.WALKS
+        ]
         print(bench.table(rows))
         print()
         print(bench.ratios(rows))
@@ -77,7 +76,10 @@ def main() -> int:
             for kind in bench.STEPS:
                 best = bench.largest_window(
                     lambda n, k=kind: bench.fits(model, k, n, config, a.cap_mib),
-                    a.chunk, a.max_window, a.chunk)  # fmt: skip
+                    a.chunk,
+                    a.max_window,
+                    a.chunk,
+                )
                 print(f"| {kind} | {best} |", flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps([r.as_dict() for r in rows], indent=2))

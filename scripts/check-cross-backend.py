@@ -12,20 +12,18 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import mlx.core as mx
+import mlx_lm
+import numpy as np
+import peft
+from mlx.utils import tree_flatten
 
-import mlx.core as mx  # noqa: E402
-import mlx_lm  # noqa: E402
-import numpy as np  # noqa: E402
-import peft  # noqa: E402
-from mlx.utils import tree_flatten  # noqa: E402
-
-from mlxwalk import tiny, use_openblas  # noqa: E402
-from mlxwalk.torch_backend import model as models  # noqa: E402
-from mlxwalk.torch_backend.walk import window_gradient as torch_gradient  # noqa: E402
-from mlxwalk.training import adapters  # noqa: E402
-from mlxwalk.training.convert import convert  # noqa: E402
-from mlxwalk.walk import Window, one_graph, window_gradient  # noqa: E402
+from mlxwalk import tiny, use_openblas
+from mlxwalk.torch_backend import model as models
+from mlxwalk.torch_backend.walk import window_gradient as torch_gradient
+from mlxwalk.training import adapters
+from mlxwalk.training.convert import convert
+from mlxwalk.walk import Window, one_graph, window_gradient
 
 use_openblas()  # MLX's CPU matrix products on OpenBLAS (mlxwalk/_blas.py)
 

@@ -16,16 +16,13 @@ second product, as FlashAttention does, so every output carries that dtype's err
 import argparse
 import os
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import mlx.core as mx
 
-import mlx.core as mx  # noqa: E402
-
-from metal_kernels import build, harness  # noqa: E402
-from mlxwalk import use_openblas  # noqa: E402
-from mlxwalk.ops import delta_scan, routing  # noqa: E402
-from mlxwalk.ops.attention import check  # noqa: E402
+from metal_kernels import build, harness
+from mlxwalk import use_openblas
+from mlxwalk.ops import delta_scan, routing
+from mlxwalk.ops.attention import check
 
 use_openblas()  # MLX's CPU matrix products on OpenBLAS (mlxwalk/_blas.py)
 
@@ -58,8 +55,11 @@ def check_delta(backend: str, small: bool) -> int:
         e = delta_scan.kernel_vs_twin(routing.Case(backend, mx.float32, dk, c, op="delta"), n, dv)
         ok = max(e.values()) <= 1e-5
         failed += not ok
-        print(f"| {dk} | {c} | {e['delta/scan']:.2e} | {e['delta/scan_back']:.2e} | "
-              f"{'OK' if ok else 'FAIL'} |", flush=True)  # fmt: skip
+        print(
+            f"| {dk} | {c} | {e['delta/scan']:.2e} | {e['delta/scan_back']:.2e} | "
+            f"{'OK' if ok else 'FAIL'} |",
+            flush=True,
+        )
     return failed
 
 
@@ -75,10 +75,15 @@ def main() -> int:
         return 2
     if a.harness:
         routing.launch = harness.launch
-    sizes = check.Sizes(chunk=40, start=70, grad_from=25) if a.small else check.Sizes(
-        kv_heads=2, chunk=300, start=777, grad_from=250)  # fmt: skip
-    print(f"# attention kernels vs the ops twin: {backend}, mlx {mx.__version__}, {sizes}, "
-          f"TF32 {os.environ.get('MLX_ENABLE_TF32', 'default')}")  # fmt: skip
+    sizes = (
+        check.Sizes(chunk=40, start=70, grad_from=25)
+        if a.small
+        else check.Sizes(kv_heads=2, chunk=300, start=777, grad_from=250)
+    )
+    print(
+        f"# attention kernels vs the ops twin: {backend}, mlx {mx.__version__}, {sizes}, "
+        f"TF32 {os.environ.get('MLX_ENABLE_TF32', 'default')}"
+    )
     print("| head dim | GQA | dtype | store | worst kernel error | its output | twin's own | ok |")
     print("|---:|---:|---|---|---:|---|---:|---|")
     failed = 0
@@ -92,8 +97,11 @@ def main() -> int:
         failed += not ok
         bad = [f"{k} {e[0]:.2e} > {limit:.2e}" for k, e in errors.items() if e[0] > limit]
         verdict = "OK" if ok else "FAIL: " + ", ".join(bad)
-        print(f"| {dim} | {g} | {name} | {store} | {kernel_error:.2e} | {worst} | "
-              f"{twin_error:.2e} | {verdict} |", flush=True)  # fmt: skip
+        print(
+            f"| {dim} | {g} | {name} | {store} | {kernel_error:.2e} | {worst} | "
+            f"{twin_error:.2e} | {verdict} |",
+            flush=True,
+        )
     failed += check_delta(backend, a.small)
     print(f"{'all OK' if not failed else f'{failed} FAILED'}")
     return 1 if failed else 0

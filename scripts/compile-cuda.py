@@ -17,20 +17,23 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import mlx.core as mx
 
-import mlx.core as mx  # noqa: E402
-
-import metal_kernels.attention as A  # noqa: E402
-import metal_kernels.delta as delta_kernels  # noqa: E402
-from metal_kernels import cuda_source  # noqa: E402
-from metal_kernels.build import ROOT  # noqa: E402
+import metal_kernels.attention as A
+import metal_kernels.delta as delta_kernels
+from metal_kernels import cuda_source
+from metal_kernels.build import ROOT
 
 TC = importlib.import_module("metal_kernels.attention.tensor_cores")
 NAMES = {mx.float32: "f32", mx.float16: "f16", mx.bfloat16: "bf16"}
 # (queries' dtype, store's dtype): float32 on the scalar kernels; the others on tensor cores
-CASES = ((mx.float32, mx.float32), (mx.bfloat16, mx.bfloat16), (mx.float16, mx.float16),
-         (mx.bfloat16, mx.float32), (mx.float16, mx.float32))  # fmt: skip
+CASES = (
+    (mx.float32, mx.float32),
+    (mx.bfloat16, mx.bfloat16),
+    (mx.float16, mx.float16),
+    (mx.bfloat16, mx.float32),
+    (mx.float16, mx.float32),
+)
 
 
 def _cuda(fn) -> dict:
@@ -45,12 +48,17 @@ def launches(dim: int, dtype: mx.Dtype, store: mx.Dtype):
     lse = delta = mx.zeros((1, 4, 40))
     tag = f"{dim} {NAMES[dtype]}/{NAMES[store]}"
     if dtype == mx.float32:
-        calls = [A.forward_launch(q, k, k, pk, pk, 60, 0.1, **_cuda(A.forward_launch)),
-                 *A.backward_launches(q, k, k, pk, pk, 60, 20, 0.1, lse, delta, q,
-                                      **_cuda(A.backward_launches))]  # fmt: skip
+        calls = [
+            A.forward_launch(q, k, k, pk, pk, 60, 0.1, **_cuda(A.forward_launch)),
+            *A.backward_launches(
+                q, k, k, pk, pk, 60, 20, 0.1, lse, delta, q, **_cuda(A.backward_launches)
+            ),
+        ]
     else:
-        calls = [TC.forward_launch(q, k, k, pk, pk, 60, 0.1),
-                 *TC.backward_launches(q, k, k, pk, pk, 60, 20, 0.1, lse, delta, q)]  # fmt: skip
+        calls = [
+            TC.forward_launch(q, k, k, pk, pk, 60, 0.1),
+            *TC.backward_launches(q, k, k, pk, pk, 60, 20, 0.1, lse, delta, q),
+        ]
     for call in calls:
         yield f"{call.spec.stem.removeprefix('attention/')} {tag}", call
 
@@ -59,12 +67,29 @@ def delta_launches(dk: int):
     n, h, c, dv = 2, 3, 64, 128
     z = mx.zeros
     for keep in (True, False):
-        yield f"delta/scan {dk} keep={keep}", delta_kernels.scan_launch(
-            z((n, h, c, dv)), *[z((n, h, c, dk))] * 2, z((n, h, c, c)), z((n, h, c, dk)),
-            z((n, h)), z((h, dv, dk)), keep)  # fmt: skip
-    yield f"delta/scan_back {dk}", delta_kernels.scan_back_launch(
-        *[z((n, h, c, dk))] * 2, z((n, h, c, c)), z((n, h, c, dk)), z((n, h)),
-        z((n, h, c, dv)), z((h, dv, dk)))  # fmt: skip
+        yield (
+            f"delta/scan {dk} keep={keep}",
+            delta_kernels.scan_launch(
+                z((n, h, c, dv)),
+                *[z((n, h, c, dk))] * 2,
+                z((n, h, c, c)),
+                z((n, h, c, dk)),
+                z((n, h)),
+                z((h, dv, dk)),
+                keep,
+            ),
+        )
+    yield (
+        f"delta/scan_back {dk}",
+        delta_kernels.scan_back_launch(
+            *[z((n, h, c, dk))] * 2,
+            z((n, h, c, c)),
+            z((n, h, c, dk)),
+            z((n, h)),
+            z((n, h, c, dv)),
+            z((h, dv, dk)),
+        ),
+    )
 
 
 def ptxas_table(stderr: str, labels: list[str], calls: list) -> list[str]:
@@ -76,16 +101,19 @@ def ptxas_table(stderr: str, labels: list[str], calls: list) -> list[str]:
             current = int(m.group(1)[1:])
             rows[current] = {}
         elif current is not None:
-            m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill",
-                          line)  # fmt: skip
+            m = re.search(
+                r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill", line
+            )
             if m:
                 rows[current].update(stack=int(m[1]), stores=int(m[2]), loads=int(m[3]))
             m = re.search(r"Used (\d+) registers", line)
             if m:
                 rows[current]["regs"] = int(m[1])
-    out = ["| kernel | head dim | T/S | threads | registers | spill stores/loads B | stack B "
-           "| dynamic shared B | blocks an SM (regs, smem) |",
-           "|---|---:|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    out = [
+        "| kernel | head dim | T/S | threads | registers | spill stores/loads B | stack B "
+        "| dynamic shared B | blocks an SM (regs, smem) |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for i, (label, call) in enumerate(zip(labels, calls)):
         r = rows.get(i, {})
         threads = call.threadgroup[0]
@@ -138,8 +166,11 @@ def main() -> int:
             return done.returncode
         if a.ptxas:
             print("\n".join(ptxas_table(done.stderr, labels, calls)))
-        warnings = [line for line in done.stderr.splitlines()
-                    if "warning" in line.lower() and "ptxas info" not in line]  # fmt: skip
+        warnings = [
+            line
+            for line in done.stderr.splitlines()
+            if "warning" in line.lower() and "ptxas info" not in line
+        ]
         print("\n".join(warnings[:20]))
         print(f"{len(units)} kernels compiled ({a.arch})")
         return 0

@@ -14,11 +14,9 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from mlxwalk import use_openblas  # noqa: E402
-from mlxwalk.training import samples  # noqa: E402
-from mlxwalk.training.run import TrainConfig, train_run  # noqa: E402
+from mlxwalk import use_openblas
+from mlxwalk.training import samples
+from mlxwalk.training.run import TrainConfig, train_run
 
 use_openblas()  # MLX's CPU matrix products on OpenBLAS (mlxwalk/_blas.py)
 
@@ -36,9 +34,19 @@ def main() -> int:
     a = p.parse_args()
     results = {}
     for walk in ("plain", "exact"):
-        cfg = TrainConfig(model=a.model, data=a.data, walk=walk, chunk=a.chunk, epochs=a.epochs,
-                          lr=a.lr, rank=a.rank, num_layers=-1, seed=0, progress=False,
-                          adapter_path=f"{a.out}/{walk}")  # fmt: skip
+        cfg = TrainConfig(
+            model=a.model,
+            data=a.data,
+            walk=walk,
+            chunk=a.chunk,
+            epochs=a.epochs,
+            lr=a.lr,
+            rank=a.rank,
+            num_layers=-1,
+            seed=0,
+            progress=False,
+            adapter_path=f"{a.out}/{walk}",
+        )
         print(f"--- {walk} walk", flush=True)
         results[walk] = train_run(cfg)
     plain, exact = results["plain"]["epochs"], results["exact"]["epochs"]

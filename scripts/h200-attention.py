@@ -47,7 +47,6 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 GIB = 1024**3
 MARK = "RESULT "
@@ -112,15 +111,23 @@ def kernel_outputs(x: dict, run, blocks=None, legacy=False) -> dict:
     o, lse = run(mod.forward_launch(q, k, v, pk, pv, start, x["scale"], **extra))
     delta = (x["d_out"].astype(mx.float32) * o).sum(axis=-1)
     extra = {} if legacy else {"blocks": blocks}
-    dq_call, dkdv_call = mod.backward_launches(q, k, v, pk, pv, start, gf, x["scale"], lse,
-                                               delta, x["d_out"], **extra)  # fmt: skip
+    dq_call, dkdv_call = mod.backward_launches(
+        q, k, v, pk, pv, start, gf, x["scale"], lse, delta, x["d_out"], **extra
+    )
     (dq,) = run(dq_call)
     dk, dv = run(dkdv_call)
     taps = start - gf if start else 0
     rows = taps + q.shape[2]
     dk, dv = dk[:, :, :rows], dv[:, :, :rows]
-    return {"out": o, "lse": lse, "dq": dq, "dk": dk[:, :, taps:], "dv": dv[:, :, taps:],
-            "dtap_k": dk[:, :, :taps], "dtap_v": dv[:, :, :taps]}  # fmt: skip
+    return {
+        "out": o,
+        "lse": lse,
+        "dq": dq,
+        "dk": dk[:, :, taps:],
+        "dv": dv[:, :, taps:],
+        "dtap_k": dk[:, :, :taps],
+        "dtap_v": dv[:, :, :taps],
+    }
 
 
 def twin_outputs(x: dict, dtype) -> dict:
@@ -139,8 +146,7 @@ def twin_outputs(x: dict, dtype) -> dict:
     out, lse = twin.forward(q, k, v, prefix, gf, x["scale"], twin.TILE)
     grads = twin.backward(q, k, v, prefix, gf, x["scale"], twin.TILE, out, lse, d_out)
     b, hq, n, _ = q.shape
-    got = {"out": out, "lse": lse.reshape(b, hq, n), "dq": grads[0], "dk": grads[1],
-           "dv": grads[2]}  # fmt: skip
+    got = {"out": out, "lse": lse.reshape(b, hq, n), "dq": grads[0], "dk": grads[1], "dv": grads[2]}
     got["dtap_k"], got["dtap_v"] = (grads[3], grads[4]) if len(grads) > 3 else (None, None)
     return got
 
@@ -154,10 +160,17 @@ def case_inputs(case, dim: int, seed: int = 0) -> dict:
     def normal(*shape, dtype=dt[t]):
         return mx.random.normal(shape).astype(dtype)
 
-    x = {"q": normal(b, hq, n, dim), "k": normal(b, hkv, n, dim), "v": normal(b, hkv, n, dim),
-         "d_out": normal(b, hq, n, dim), "pk": normal(bs, hkv, start + n + spare, dim, dtype=dt[s]),
-         "pv": normal(bs, hkv, start + n + spare, dim, dtype=dt[s]), "start": start, "gf": gf,
-         "scale": dim**-0.5}  # fmt: skip
+    x = {
+        "q": normal(b, hq, n, dim),
+        "k": normal(b, hkv, n, dim),
+        "v": normal(b, hkv, n, dim),
+        "d_out": normal(b, hq, n, dim),
+        "pk": normal(bs, hkv, start + n + spare, dim, dtype=dt[s]),
+        "pv": normal(bs, hkv, start + n + spare, dim, dtype=dt[s]),
+        "start": start,
+        "gf": gf,
+        "scale": dim**-0.5,
+    }
     mx.eval(*[a for a in x.values() if isinstance(a, mx.array)])
     return x
 
@@ -194,8 +207,14 @@ def job_check(dim: int, cases: list[int], emulate: bool) -> None:
             bar = 3 * worst_twin + 1e-6
             bad = [k for k, v in errors.items() if (v > 1e-4 if k == "lse" else v > bar)]
             bad += [k for k, v in errors.items() if v != v]  # NaN
-            row.update(errors=errors, twin=twin_errors, bar=bar, ok=not bad, bad=bad,
-                       seconds=time.perf_counter() - t0)  # fmt: skip
+            row.update(
+                errors=errors,
+                twin=twin_errors,
+                bar=bar,
+                ok=not bad,
+                bad=bad,
+                seconds=time.perf_counter() - t0,
+            )
         except Exception as e:  # a compile error, a launch failure: this case's row
             row.update(ok=False, error=f"{type(e).__name__}: {str(e).strip()[-300:]}")
             traceback.print_exc()
@@ -211,9 +230,17 @@ def bench_inputs(dim: int, a) -> dict:
     def normal(*shape):
         return mx.random.normal(shape).astype(mx.bfloat16)
 
-    x = {"q": normal(1, hq, n, dim), "k": normal(1, hkv, n, dim), "v": normal(1, hkv, n, dim),
-         "d_out": normal(1, hq, n, dim), "pk": normal(1, hkv, p + n, dim),
-         "pv": normal(1, hkv, p + n, dim), "start": p, "gf": 0, "scale": dim**-0.5}  # fmt: skip
+    x = {
+        "q": normal(1, hq, n, dim),
+        "k": normal(1, hkv, n, dim),
+        "v": normal(1, hkv, n, dim),
+        "d_out": normal(1, hq, n, dim),
+        "pk": normal(1, hkv, p + n, dim),
+        "pv": normal(1, hkv, p + n, dim),
+        "start": p,
+        "gf": 0,
+        "scale": dim**-0.5,
+    }
     mx.eval(*[v for v in x.values() if isinstance(v, mx.array)])
     return x
 
@@ -275,8 +302,9 @@ def kernel_steps(x: dict, legacy: bool, blocks=None) -> dict:
     from metal_kernels import build
 
     mod = importlib.import_module("metal_kernels.attention.legacy") if legacy else _tc()
-    q, k, v, pk, pv, p, d_out, scale = (x[n] for n in ("q", "k", "v", "pk", "pv", "start",
-                                                       "d_out", "scale"))  # fmt: skip
+    q, k, v, pk, pv, p, d_out, scale = (
+        x[n] for n in ("q", "k", "v", "pk", "pv", "start", "d_out", "scale")
+    )
     fwd_kw = {} if legacy else {"blocks": (blocks or {}).get("forward")}
     bwd_kw = {} if legacy else {"blocks": blocks}
 
@@ -296,9 +324,12 @@ def kernel_steps(x: dict, legacy: bool, blocks=None) -> dict:
     mx.eval(o, lse)
     calls = backward(o, lse)
     mx.eval(*calls[0].inputs)
-    return {"fwd+bwd": both, "forward": lambda: mx.eval(*forward()),
-            "dq": lambda: mx.eval(*build.launch(calls[0])),
-            "dkdv": lambda: mx.eval(*build.launch(calls[1]))}  # fmt: skip
+    return {
+        "fwd+bwd": both,
+        "forward": lambda: mx.eval(*forward()),
+        "dq": lambda: mx.eval(*build.launch(calls[0])),
+        "dkdv": lambda: mx.eval(*build.launch(calls[1])),
+    }
 
 
 def job_time(dim: int, variant: str, a) -> None:
@@ -316,15 +347,30 @@ def job_time(dim: int, variant: str, a) -> None:
             except Exception as e:
                 row = {"error": f"{type(e).__name__}: {str(e).strip()[-300:]}"}
                 traceback.print_exc()
-            print(MARK + json.dumps({"kind": "time", "dim": dim, "variant": variant,
-                                     "part": part, **row}), flush=True)  # fmt: skip
+            print(
+                MARK
+                + json.dumps({"kind": "time", "dim": dim, "variant": variant, "part": part, **row}),
+                flush=True,
+            )
             if "error" in row and part == "fwd+bwd":
                 break
         return
     s, over = timed(mlx_step(variant, x), a.repeats)
-    print(MARK + json.dumps({"kind": "time", "dim": dim, "variant": variant, "part": "fwd+bwd",
-                             "ms": s * 1e3, "peak_gib": over / GIB,
-                             "tflops": 3.5 * flops / s / 1e12}), flush=True)  # fmt: skip
+    print(
+        MARK
+        + json.dumps(
+            {
+                "kind": "time",
+                "dim": dim,
+                "variant": variant,
+                "part": "fwd+bwd",
+                "ms": s * 1e3,
+                "peak_gib": over / GIB,
+                "tflops": 3.5 * flops / s / 1e12,
+            }
+        ),
+        flush=True,
+    )
 
 
 def torch_one(dim: int, a) -> dict:
@@ -355,9 +401,11 @@ def torch_one(dim: int, a) -> dict:
         mask = (torch.arange(n, device=dev)[:, None] + m - n) >= torch.arange(m, device=dev)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
-    forms = (("causal_lower_right, enable_gqa", gqa),
-             ("causal_lower_right, K/V expanded", expanded),
-             ("explicit bottom-right mask, enable_gqa", explicit))  # fmt: skip
+    forms = (
+        ("causal_lower_right, enable_gqa", gqa),
+        ("causal_lower_right, K/V expanded", expanded),
+        ("explicit bottom-right mask, enable_gqa", explicit),
+    )
     for how, fn in forms:
         try:
 
@@ -381,8 +429,12 @@ def torch_one(dim: int, a) -> dict:
                 times.append(begin.elapsed_time(end) / 1e3)
                 over = max(over, torch.cuda.max_memory_allocated() - base)
             s = statistics.median(times)
-            return {"ms": s * 1e3, "peak_gib": over / GIB,
-                    "tflops": 3.5 * forward_flops(dim, a) / s / 1e12, "note": how}  # fmt: skip
+            return {
+                "ms": s * 1e3,
+                "peak_gib": over / GIB,
+                "tflops": 3.5 * forward_flops(dim, a) / s / 1e12,
+                "note": how,
+            }
         except Exception as e:
             print(f"torch {dim} {how}: {type(e).__name__}: {e}", flush=True)
     return {"error": "every SDPA form failed (see the log)"}
@@ -394,8 +446,13 @@ def job_torch(dims: list[int], a) -> None:
     for dim in dims:
         row = torch_one(dim, a)
         torch.cuda.empty_cache()
-        print(MARK + json.dumps({"kind": "time", "dim": dim, "variant": "torch",
-                                 "part": "fwd+bwd", **row}), flush=True)  # fmt: skip
+        print(
+            MARK
+            + json.dumps(
+                {"kind": "time", "dim": dim, "variant": "torch", "part": "fwd+bwd", **row}
+            ),
+            flush=True,
+        )
 
 
 def sweep_shapes(dim: int) -> dict:
@@ -404,22 +461,38 @@ def sweep_shapes(dim: int) -> dict:
     from metal_kernels.attention.blocks import CudaBlocks as C
 
     shapes = {
-        64: {"forward": [C(4, 2, 32, True, 1, ""), C(4, 1, 64, True, 1, ""),
-                         C(8, 1, 64, True, 1, "")],
-             "dq": [C(4, 2, 32, True, 1, ""), C(4, 1, 64, True, 1, ""), C(8, 1, 64, False, 1, "")],
-             "dkdv": [C(4, 1, 32, True, 1, ""), C(8, 1, 64, True, 1, ""),
-                      C(4, 1, 64, False, 1, "")]},
-        128: {"forward": [C(4, 2, 64, False, 1, ""), C(4, 1, 64, False, 1, ""),
-                          C(8, 1, 64, False, 1, "")],
-              "dq": [C(4, 1, 64, False, 1, ""), C(8, 1, 64, False, 1, ""),
-                     C(4, 1, 64, True, 1, "")],
-              "dkdv": [C(4, 1, 64, False, 1, ""), C(8, 1, 32, False, 1, ""),
-                       C(8, 1, 64, False, 2, "")]},
-        256: {"forward": [C(4, 1, 64, False, 1, ""), C(8, 1, 32, False, 1, ""),
-                          C(2, 1, 32, False, 1, "")],
-              "dq": [C(4, 1, 32, False, 1, ""), C(8, 1, 16, False, 1, "")],
-              "dkdv": [C(4, 1, 64, False, 2, ""), C(8, 1, 32, False, 2, "")]},
-    }[dim]  # fmt: skip
+        64: {
+            "forward": [
+                C(4, 2, 32, True, 1, ""),
+                C(4, 1, 64, True, 1, ""),
+                C(8, 1, 64, True, 1, ""),
+            ],
+            "dq": [C(4, 2, 32, True, 1, ""), C(4, 1, 64, True, 1, ""), C(8, 1, 64, False, 1, "")],
+            "dkdv": [C(4, 1, 32, True, 1, ""), C(8, 1, 64, True, 1, ""), C(4, 1, 64, False, 1, "")],
+        },
+        128: {
+            "forward": [
+                C(4, 2, 64, False, 1, ""),
+                C(4, 1, 64, False, 1, ""),
+                C(8, 1, 64, False, 1, ""),
+            ],
+            "dq": [C(4, 1, 64, False, 1, ""), C(8, 1, 64, False, 1, ""), C(4, 1, 64, True, 1, "")],
+            "dkdv": [
+                C(4, 1, 64, False, 1, ""),
+                C(8, 1, 32, False, 1, ""),
+                C(8, 1, 64, False, 2, ""),
+            ],
+        },
+        256: {
+            "forward": [
+                C(4, 1, 64, False, 1, ""),
+                C(8, 1, 32, False, 1, ""),
+                C(2, 1, 32, False, 1, ""),
+            ],
+            "dq": [C(4, 1, 32, False, 1, ""), C(8, 1, 16, False, 1, "")],
+            "dkdv": [C(4, 1, 64, False, 2, ""), C(8, 1, 32, False, 2, "")],
+        },
+    }[dim]
     return {k: [tables.CUDA[(k, dim)], *v] for k, v in shapes.items()}
 
 
@@ -433,8 +506,13 @@ def job_sweep(dim: int, a) -> None:
     for kernel, shapes in sweep_shapes(dim).items():
         for b in shapes:
             label = f"warps {b.warps}, mt {b.mt}, walk {b.walk}, regs {b.regs}, split {b.split}"
-            row = {"kind": "sweep", "dim": dim, "kernel": kernel, "blocks": label,
-                   "smem": tables.cuda_shared_bytes(kernel, dim, b)}  # fmt: skip
+            row = {
+                "kind": "sweep",
+                "dim": dim,
+                "kernel": kernel,
+                "blocks": label,
+                "smem": tables.cuda_shared_bytes(kernel, dim, b),
+            }
             try:
                 steps = kernel_steps(x, legacy=False, blocks={kernel: b})
                 s, _ = timed(steps[kernel], a.repeats)
@@ -478,9 +556,20 @@ class Log:
 
 def spawn(spec: dict, a, timeout: float, log: Log) -> tuple[list[dict], str]:
     """Run one job in a child; (its results, '' or why it ended early)."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--job", json.dumps(spec),
-           "--repeats", str(a.repeats), "--chunk", str(a.chunk), "--prefix", str(a.prefix),
-           "--heads", *map(str, a.heads)] + (["--emulate"] if a.emulate else [])  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--job",
+        json.dumps(spec),
+        "--repeats",
+        str(a.repeats),
+        "--chunk",
+        str(a.chunk),
+        "--prefix",
+        str(a.prefix),
+        "--heads",
+        *map(str, a.heads),
+    ] + (["--emulate"] if a.emulate else [])
     t0 = time.perf_counter()
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=max(1.0, timeout))
@@ -492,16 +581,20 @@ def spawn(spec: dict, a, timeout: float, log: Log) -> tuple[list[dict], str]:
         out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
         err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
         why = f"timed out after {timeout:.0f} s"
-    log(f"## job {json.dumps(spec)} ({time.perf_counter() - t0:.1f} s){' ' + why if why else ''}",
-        echo=False)  # fmt: skip
+    log(
+        f"## job {json.dumps(spec)} ({time.perf_counter() - t0:.1f} s){' ' + why if why else ''}",
+        echo=False,
+    )
     log(out + ("\n[stderr]\n" + err[-8000:] if err.strip() else ""), echo=False)
     results = [json.loads(line[len(MARK) :]) for line in out.splitlines() if line.startswith(MARK)]
     return results, why
 
 
 def check_table(rows: list[dict]) -> list[str]:
-    out = ["| head dim | case | T/S | " + " | ".join(OUTPUTS) + " | twin's own worst | verdict |",
-           "|---:|---|---|" + "---:|" * len(OUTPUTS) + "---:|---|"]  # fmt: skip
+    out = [
+        "| head dim | case | T/S | " + " | ".join(OUTPUTS) + " | twin's own worst | verdict |",
+        "|---:|---|---|" + "---:|" * len(OUTPUTS) + "---:|---|",
+    ]
     for r in rows:
         if "errors" not in r:
             out.append(
@@ -570,11 +663,13 @@ def main() -> int:
     p.add_argument("--heads", type=int, nargs=2, default=[14, 2], metavar=("HQ", "HKV"))
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--budget", type=float, default=330.0, help="seconds for the whole call")
-    p.add_argument("--parts", nargs="+", default=["check", "time", "sweep"],
-                   choices=["check", "time", "sweep"])  # fmt: skip
+    p.add_argument(
+        "--parts", nargs="+", default=["check", "time", "sweep"], choices=["check", "time", "sweep"]
+    )
     p.add_argument("--variants", nargs="+", default=["new", "legacy", "fused", "unfused", "torch"])
-    p.add_argument("--cases", type=int, nargs="+", help="indices into CASES (default: all; "
-                   "--emulate: a few)")  # fmt: skip
+    p.add_argument(
+        "--cases", type=int, nargs="+", help="indices into CASES (default: all; --emulate: a few)"
+    )
     p.add_argument("--emulate", action="store_true", help="the check part on the CPU emulator")
     p.add_argument("--job", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -593,16 +688,20 @@ def main() -> int:
     )
     if a.emulate:
         a.parts = ["check"]
-    cases = a.cases if a.cases is not None else (list(QUICK) if a.emulate else
-                                                   list(range(len(CASES))))  # fmt: skip
+    cases = (
+        a.cases if a.cases is not None else (list(QUICK) if a.emulate else list(range(len(CASES))))
+    )
     jobs = []
     if "check" in a.parts:
-        jobs += [({"kind": "check", "dim": d, "cases": cases}, 150.0 if not a.emulate else 3600.0)
-                 for d in a.dims]  # fmt: skip
+        jobs += [
+            ({"kind": "check", "dim": d, "cases": cases}, 150.0 if not a.emulate else 3600.0)
+            for d in a.dims
+        ]
     if "time" in a.parts:
         for d in a.dims:
-            jobs += [({"kind": "time", "dim": d, "variant": v}, 60.0)
-                     for v in a.variants if v != "torch"]  # fmt: skip
+            jobs += [
+                ({"kind": "time", "dim": d, "variant": v}, 60.0) for v in a.variants if v != "torch"
+            ]
         if "torch" in a.variants:
             jobs.append(({"kind": "torch", "dims": a.dims}, 90.0))
     if "sweep" in a.parts:
@@ -620,14 +719,30 @@ def main() -> int:
         if why:
             log(f"job {json.dumps(spec)}: {why}")
             if spec["kind"] == "time":
-                results.append({"kind": "time", "dim": spec["dim"], "variant": spec["variant"],
-                                "part": "fwd+bwd", "error": why})  # fmt: skip
+                results.append(
+                    {
+                        "kind": "time",
+                        "dim": spec["dim"],
+                        "variant": spec["variant"],
+                        "part": "fwd+bwd",
+                        "error": why,
+                    }
+                )
             elif spec["kind"] == "torch":
-                results += [{"kind": "time", "dim": d, "variant": "torch", "part": "fwd+bwd",
-                             "error": why} for d in spec["dims"]]  # fmt: skip
+                results += [
+                    {"kind": "time", "dim": d, "variant": "torch", "part": "fwd+bwd", "error": why}
+                    for d in spec["dims"]
+                ]
             elif spec["kind"] == "check":
-                results.append({"kind": "check", "dim": spec["dim"], "case": "(job)",
-                                "ok": False, "error": why})  # fmt: skip
+                results.append(
+                    {
+                        "kind": "check",
+                        "dim": spec["dim"],
+                        "case": "(job)",
+                        "ok": False,
+                        "error": why,
+                    }
+                )
         for r in got:
             if r["kind"] == "check":
                 tag = "PASS" if r.get("ok") else f"FAIL {r.get('bad') or r.get('error')}"
@@ -654,8 +769,10 @@ def main() -> int:
     if skipped:
         log(f"\nskipped for time: {len(skipped)} jobs")
     failed = [r for r in checks if not r.get("ok")]
-    log(f"\n{len(checks) - len(failed)}/{len(checks)} checks passed; "
-        f"{time.perf_counter() - t_start:.0f} s")  # fmt: skip
+    log(
+        f"\n{len(checks) - len(failed)}/{len(checks)} checks passed; "
+        f"{time.perf_counter() - t_start:.0f} s"
+    )
     if os.environ.get("OUT"):
         (Path(os.environ["OUT"]) / "h200-attention.json").write_text(json.dumps(results, indent=1))
     return 1 if failed else 0

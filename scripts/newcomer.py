@@ -41,23 +41,36 @@ def main() -> None:
     scratch = Path(tempfile.mkdtemp(prefix="mlxwalk-newcomer-"))
     venv = scratch / "venv"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLXWALK_", "VIRTUAL_ENV"))}
-    env.update(PATH=f"{venv / 'bin'}:{env['PATH']}", MLXWALK_HOME=str(scratch / "home"),
-               PIP_NO_CACHE_DIR="1")  # fmt: skip
+    env.update(
+        PATH=f"{venv / 'bin'}:{env['PATH']}",
+        MLXWALK_HOME=str(scratch / "home"),
+        PIP_NO_CACHE_DIR="1",
+    )
     if a.blas != "wheel":
         env["MLXWALK_BLAS"] = SYSTEM if a.blas == "system" else "off"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     install = timed(["pip", "install", "-q", "-e", ".[test]"], env, ROOT, scratch / "install.log")
-    train = timed(["mlxwalk", "train", "--no-progress", "--adapter-path", str(scratch / "run")],
-                  env, ROOT, scratch / "train.log")  # fmt: skip
-    tests = None if a.skip_tests else timed(
-        ["python", "-m", "pytest", "-p", "no:cacheprovider"], env, ROOT, scratch / "tests.log"
-    )  # fmt: skip
+    train = timed(
+        ["mlxwalk", "train", "--no-progress", "--adapter-path", str(scratch / "run")],
+        env,
+        ROOT,
+        scratch / "train.log",
+    )
+    tests = (
+        None
+        if a.skip_tests
+        else timed(
+            ["python", "-m", "pytest", "-p", "no:cacheprovider"], env, ROOT, scratch / "tests.log"
+        )
+    )
     lines = (scratch / "train.log").read_text().splitlines()
     epochs = [line for line in lines if line.startswith("epoch ")]
     print("\n".join(epochs))
     shown = "not run" if tests is None else f"{tests:.0f} s"
-    print(f"| {platform.machine()}, {os.cpu_count()} cores | {a.blas} | {install:.0f} s | "
-          f"{train:.0f} s | {install + train:.0f} s | {shown} |")  # fmt: skip
+    print(
+        f"| {platform.machine()}, {os.cpu_count()} cores | {a.blas} | {install:.0f} s | "
+        f"{train:.0f} s | {install + train:.0f} s | {shown} |"
+    )
     print(f"logs: {scratch}" if a.keep else "")
     if not a.keep:
         subprocess.run(["rm", "-rf", str(scratch)])

@@ -11,16 +11,15 @@ import argparse
 import sys
 from pathlib import Path
 
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxwalk import bench, use_openblas
+from mlxwalk.plan import cut
+from mlxwalk.walk import ChunkRunner, ExactWalk, WalkConfig, Window, one_graph, walking
+from mlxwalk.walk.taps import ChunkKV
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-import mlx.core as mx  # noqa: E402
-import mlx.nn as nn  # noqa: E402
-
-from mlxwalk import bench, use_openblas  # noqa: E402
-from mlxwalk.plan import cut  # noqa: E402
-from mlxwalk.walk import ChunkRunner, ExactWalk, WalkConfig, Window, one_graph, walking  # noqa: E402
-from mlxwalk.walk.taps import ChunkKV  # noqa: E402
 
 use_openblas()  # MLX's CPU matrix products on OpenBLAS (mlxwalk/_blas.py)
 
@@ -48,8 +47,9 @@ def main() -> int:
     peak("mlx-lm forward, logits", lambda: mx.eval(model(x)))
     for recompute in (False, True):
         for attention in ("fused", "tiled"):
-            config = WalkConfig(chunk=n, cache_type="bfloat16", recompute=recompute,
-                                attention=attention)  # fmt: skip
+            config = WalkConfig(
+                chunk=n, cache_type="bfloat16", recompute=recompute, attention=attention
+            )
             runner = ChunkRunner(model, win, config)
 
             def decode(k, runner=runner, recompute=recompute):
@@ -60,17 +60,23 @@ def main() -> int:
                         state = runner.decode(chunk, state)
 
             for k in (1, 2):
-                peak(f"decode {k} chunk(s), recompute {recompute}, {attention}",
-                     lambda k=k: decode(k))  # fmt: skip
+                peak(
+                    f"decode {k} chunk(s), recompute {recompute}, {attention}",
+                    lambda k=k: decode(k),
+                )
     with walking(model, False):
         caches = [ChunkKV(0, attention="fused") for _ in model.layers]
-        peak("model with ChunkKV caches (no prefix), K/V only",
-             lambda: (model(x, cache=caches), mx.eval([c.keys for c in caches])))  # fmt: skip
+        peak(
+            "model with ChunkKV caches (no prefix), K/V only",
+            lambda: (model(x, cache=caches), mx.eval([c.keys for c in caches])),
+        )
     one = Window.of(ids[:n], ids[1 : n + 1], [1.0] * n)
     for recompute in (False, True):
         config = WalkConfig(chunk=n, cache_type="bfloat16", recompute=recompute)
-        peak(f"exact walk, one chunk of {n}, recompute {recompute}",
-             lambda config=config: mx.eval(ExactWalk(model, one, config).run()))  # fmt: skip
+        peak(
+            f"exact walk, one chunk of {n}, recompute {recompute}",
+            lambda config=config: mx.eval(ExactWalk(model, one, config).run()),
+        )
     peak("one graph gradient", lambda: mx.eval(one_graph(model, one)))
     run = bench.step_for(model, "mlx-lm", n, WalkConfig(chunk=n))
     peak("mlx-lm step", run)

@@ -12,14 +12,11 @@ evaluation, so its time is the device's).
 import argparse
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import mlx.core as mx
 
-import mlx.core as mx  # noqa: E402
-
-from mlxwalk import bench, use_openblas  # noqa: E402
-from mlxwalk.walk import ExactWalk, WalkConfig, Window  # noqa: E402
+from mlxwalk import bench, use_openblas
+from mlxwalk.walk import ExactWalk, WalkConfig, Window
 
 use_openblas()  # MLX's CPU matrix products on OpenBLAS (mlxwalk/_blas.py)
 
@@ -63,8 +60,11 @@ def compare(model, a) -> int:
     win = Window.of(ids[:-1], ids[1:], [1.0] * a.window)
     print(f"| recompute | peak MiB | seconds |   (window {a.window}, chunk {a.chunk})")
     print("|---|---:|---:|")
-    for name, recompute, whole in [("none", False, False), ("one checkpointed graph", True, True),
-                                   ("by layer", True, False)]:  # fmt: skip
+    for name, recompute, whole in [
+        ("none", False, False),
+        ("one checkpointed graph", True, True),
+        ("by layer", True, False),
+    ]:
         config = WalkConfig(chunk=a.chunk, cache_type="bfloat16", recompute=recompute)
 
         def run(config=config, whole=whole):
@@ -85,9 +85,12 @@ def main() -> int:
     p.add_argument("--recompute", action="store_true")
     p.add_argument("--keep-inputs", default="auto", choices=["auto", "on", "off"])
     p.add_argument("--small", action="store_true")
-    p.add_argument("--compare", action="store_true",
-                   help="only the walk's peak without recompute, with one checkpointed graph per "
-                        "chunk, and with recompute by layer")  # fmt: skip
+    p.add_argument(
+        "--compare",
+        action="store_true",
+        help="only the walk's peak without recompute, with one checkpointed graph per "
+        "chunk, and with recompute by layer",
+    )
     a = p.parse_args()
     print(f"# mlx {mx.__version__} on {mx.default_device()}")
     if not a.small:
@@ -101,8 +104,9 @@ def main() -> int:
         return compare(model, a)
     ids = bench.ids_for(a.window)
     win = Window.of(ids[:-1], ids[1:], [1.0] * a.window)
-    config = WalkConfig(chunk=a.chunk, cache_type="bfloat16", recompute=a.recompute,
-                        keep_inputs=a.keep_inputs)  # fmt: skip
+    config = WalkConfig(
+        chunk=a.chunk, cache_type="bfloat16", recompute=a.recompute, keep_inputs=a.keep_inputs
+    )
     for _ in range(2):  # the first compiles kernels and fills caches
         mx.clear_cache()
         mx.reset_peak_memory()
@@ -110,8 +114,15 @@ def main() -> int:
 
         def tick(phase, done, of, rows=rows, last=last):
             now = time.perf_counter()
-            rows.append((phase, done, mx.get_peak_memory() / MIB, mx.get_active_memory() / MIB,
-                         now - last[0]))  # fmt: skip
+            rows.append(
+                (
+                    phase,
+                    done,
+                    mx.get_peak_memory() / MIB,
+                    mx.get_active_memory() / MIB,
+                    now - last[0],
+                )
+            )
             last[0] = now
             mx.reset_peak_memory()
 

@@ -22,15 +22,14 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 _spec = importlib.util.spec_from_file_location("recall_bench", ROOT / "scripts" / "recall.py")
 bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)  # its model, optimizer, steps and evaluation
+_spec.loader.exec_module(bench)  # its model, optimizer, steps and evaluation (first: it sets
+# OpenBLAS's threads before MLX loads it, so the imports below wait)
 
 import mlx.core as mx  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
@@ -79,8 +78,10 @@ def fit(a, trainer: str, model, lr, data: dict, valid: dict | None, budget_s: fl
         acc, loss, _ = bench.evaluate(model, valid, batch=a.eval_batch)
         mx.reset_peak_memory()
         scores.append((i + 1, seconds, acc, loss))
-        print(f"  {trainer} {i + 1} windows ({seconds:.0f} s): acc {acc:.3f} loss {loss:.3f}",
-              flush=True)  # fmt: skip
+        print(
+            f"  {trainer} {i + 1} windows ({seconds:.0f} s): acc {acc:.3f} loss {loss:.3f}",
+            flush=True,
+        )
         if seconds > budget_s:
             break
     if valid is not None:
@@ -97,8 +98,11 @@ def pretrain(a) -> list:
     fit(a, "one-graph", model, lr, short, None, float("inf"))  # one graph: the chunk is unused
     valid = recall.dataset(bench.VALID_SEED, 256, recall.WINDOW, recall.CHUNK, a.decoys)
     acc, loss, _ = bench.evaluate(model, valid)
-    print(f"  pretrained on {a.pretrain} windows of {recall.WINDOW}: held-out accuracy there "
-          f"{acc:.3f}, loss {loss:.3f}", flush=True)  # fmt: skip
+    print(
+        f"  pretrained on {a.pretrain} windows of {recall.WINDOW}: held-out accuracy there "
+        f"{acc:.3f}, loss {loss:.3f}",
+        flush=True,
+    )
     return list(tree_flatten(model.parameters()))
 
 
@@ -141,9 +145,12 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     train_set = recall.dataset(0, a.train, a.window, a.chunk, a.decoys)
     valid_set = recall.dataset(bench.VALID_SEED, a.valid, a.window, a.chunk, a.decoys)
-    print(f"recall at window {a.window}, chunk {a.chunk} ({a.window // a.chunk} chunks), "
-          f"decoys {a.decoys}; qwen2 {a.layers}x{a.width}; data built in "
-          f"{time.perf_counter() - start:.0f} s; {mx.default_device()}", flush=True)  # fmt: skip
+    print(
+        f"recall at window {a.window}, chunk {a.chunk} ({a.window // a.chunk} chunks), "
+        f"decoys {a.decoys}; qwen2 {a.layers}x{a.width}; data built in "
+        f"{time.perf_counter() - start:.0f} s; {mx.default_device()}",
+        flush=True,
+    )
     costs = [] if a.skip_costs else step_costs(a, train_set)
     if a.pretrain:
         runs = compare(a, pretrain(a), train_set, valid_set)

@@ -33,10 +33,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 # The model's matrices are small: OpenBLAS's threads only spin against each other (and against
 # anything else on the cores), 2-30x slower than one thread here.
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before MLX loads OpenBLAS: the imports wait
 
 import mlx.core as mx  # noqa: E402
 import mlx.optimizers as optim  # noqa: E402
@@ -139,9 +138,15 @@ def train(trainer: str, seed: int, train_set: dict, valid_set: dict, a) -> dict:
     order = np.random.default_rng(seed)
     acc, loss, stated = evaluate(model, valid_set)
     epochs = [
-        {"epoch": 0, "accuracy": acc, "loss": loss, "stated": stated, "seconds": 0.0,
-         "peak_mib": 0.0}
-    ]  # fmt: skip
+        {
+            "epoch": 0,
+            "accuracy": acc,
+            "loss": loss,
+            "stated": stated,
+            "seconds": 0.0,
+            "peak_mib": 0.0,
+        }
+    ]
     print(f"  {trainer} seed {seed} epoch 0: acc {acc:.3f} loss {loss:.3f}", flush=True)
     for epoch in range(1, a.epochs + 1):
         mx.reset_peak_memory()
@@ -293,8 +298,19 @@ def main(argv: list[str] | None = None) -> int:
     if a.from_json:  # the table and plot of a finished run, its settings as it ran
         saved = json.loads(Path(a.from_json).read_text())
         runs, skipped = saved["runs"], saved["skipped"]
-        keys = ("seeds", "window", "chunk", "fact_within", "layers", "width", "tied", "train", "lr",
-                "valid", "decoys")  # fmt: skip
+        keys = (
+            "seeds",
+            "window",
+            "chunk",
+            "fact_within",
+            "layers",
+            "width",
+            "tied",
+            "train",
+            "lr",
+            "valid",
+            "decoys",
+        )
         vars(a).update({k: saved["settings"][k] for k in keys})
         a.json = None
     else:

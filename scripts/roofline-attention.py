@@ -33,13 +33,10 @@ Published figures (third-party where Apple publishes none):
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import mlx.core as mx
 
-import mlx.core as mx  # noqa: E402
-
-from metal_kernels.attention import blocks, traffic  # noqa: E402
+from metal_kernels.attention import blocks, traffic
 
 # (name, FP32 FLOP/s, bytes/s): see the docstring
 GPUS = (("M4 Max", 17.18e12, 546e9), ("M5", 4.45e12, 153e9))
@@ -58,14 +55,21 @@ def main() -> int:
     p.add_argument("--dims", type=int, nargs="+", default=[64, 128, 256])
     a = p.parse_args()
     heads = f"{a.heads[0]}/{a.heads[1]} heads"
-    print(f"# Metal attention roofline (estimates): {a.chunk:,} queries over {a.prefix:,} + "
-          f"{a.chunk:,} keys, {heads}, bf16, every key's gradient\n")  # fmt: skip
+    print(
+        f"# Metal attention roofline (estimates): {a.chunk:,} queries over {a.prefix:,} + "
+        f"{a.chunk:,} keys, {heads}, bf16, every key's gradient\n"
+    )
     names = [f"{n} ms" for n, _, _ in GPUS] + [f"{n} at MFA util ms" for n, _, _ in GPUS]
-    print("| kernel | D | block (rows x walk) | GFLOP | device GB | FLOP/B | " + " | ".join(names)
-          + " |\n|---|---:|---|---:|---:|---:|" + "---:|" * len(names))  # fmt: skip
+    print(
+        "| kernel | D | block (rows x walk) | GFLOP | device GB | FLOP/B | "
+        + " | ".join(names)
+        + " |\n|---|---:|---|---:|---:|---:|"
+        + "---:|" * len(names)
+    )
     for dim in a.dims:
-        shape = traffic.Shape(1, a.heads[0], a.heads[1], a.chunk, a.prefix, 0, dim,
-                              mx.bfloat16, mx.bfloat16)  # fmt: skip
+        shape = traffic.Shape(
+            1, a.heads[0], a.heads[1], a.chunk, a.prefix, 0, dim, mx.bfloat16, mx.bfloat16
+        )
         totals = [0.0] * (3 + len(names))
         for kind in blocks.KERNELS:
             t = traffic.traffic(kind, shape)
@@ -75,8 +79,15 @@ def main() -> int:
             times += [ms(t.flops, moved, f, b, util) for _, f, b in GPUS]
             g = blocks.metal(kind, dim, mx.bfloat16)
             split = f", split {g.split}" if g.split > 1 else ""
-            row = [kind, dim, f"{g.rows} x {g.walk}{split}", t.flops / 1e9, moved / 1e9,
-                   t.flops / moved, *times]  # fmt: skip
+            row = [
+                kind,
+                dim,
+                f"{g.rows} x {g.walk}{split}",
+                t.flops / 1e9,
+                moved / 1e9,
+                t.flops / moved,
+                *times,
+            ]
             print("| " + " | ".join(_cell(x) for x in row) + " |")
             for i, x in enumerate([t.flops / 1e9, moved / 1e9, 0.0, *times]):
                 totals[i] += x

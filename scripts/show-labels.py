@@ -12,10 +12,8 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from mlxwalk import use_openblas  # noqa: E402
-from mlxwalk.training import data, models  # noqa: E402
+from mlxwalk import use_openblas
+from mlxwalk.training import data, models
 
 use_openblas()  # MLX's CPU matrix products on OpenBLAS (mlxwalk/_blas.py)
 

@@ -3,12 +3,9 @@
 `mlxwalk test-walk-exact`."""
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from mlxwalk import use_openblas  # noqa: E402
-from mlxwalk.cli import main  # noqa: E402
+from mlxwalk import use_openblas
+from mlxwalk.cli import main
 
 use_openblas()  # MLX's CPU matrix products on OpenBLAS (mlxwalk/_blas.py)
 

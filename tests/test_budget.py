@@ -98,8 +98,12 @@ def test_the_probe_is_keyed_by_everything_that_changes_it(qwen2):
     base = WalkConfig(chunk=256)
     key = probes.probe_key(qwen2, base)
     assert probes.probe_key(qwen2, WalkConfig(chunk=256, horizon=64)) == key  # no change
-    for other in ({"chunk": 512}, {"recompute": True}, {"attention": "fused"},
-                  {"cache_type": "bfloat16"}):  # fmt: skip
+    for other in (
+        {"chunk": 512},
+        {"recompute": True},
+        {"attention": "fused"},
+        {"cache_type": "bfloat16"},
+    ):
         assert probes.probe_key(qwen2, WalkConfig(**{"chunk": 256, **other})) != key, other
     kept = probes.probe_key(qwen2, WalkConfig(chunk=256, recompute=True))
     assert probes.probe_key(qwen2, WalkConfig(chunk=256, recompute=True, keep_inputs="off")) != kept

@@ -56,8 +56,13 @@ def test_the_base_model_agrees_across_frameworks():
 
 def test_peft_to_mlx_lm(tmp_path):
     base = tiny.path("tiny-qwen2")
-    config = peft.LoraConfig(r=4, lora_alpha=12, target_modules=["q_proj", "v_proj"],
-                             layers_to_transform=[2, 3], init_lora_weights=False)  # fmt: skip
+    config = peft.LoraConfig(
+        r=4,
+        lora_alpha=12,
+        target_modules=["q_proj", "v_proj"],
+        layers_to_transform=[2, 3],
+        init_lora_weights=False,
+    )
     model = peft.get_peft_model(hf_model(base), config)
     model.save_pretrained(str(tmp_path / "peft"))
     want = hf_logits(model)
@@ -100,9 +105,20 @@ def test_refusals(tmp_path):
     (tmp_path / "full" / "x").write_text("")
     with pytest.raises(PlanError, match="exists and is not an empty folder"):
         convert(tmp_path / "first", tmp_path / "full", model=base)
-    done = subprocess.run([sys.executable, "-m", "mlxwalk", "convert-adapter",
-                           str(tmp_path / "first"), str(tmp_path / "out2"), "--model", str(base)],
-                          capture_output=True, text=True)  # fmt: skip
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mlxwalk",
+            "convert-adapter",
+            str(tmp_path / "first"),
+            str(tmp_path / "out2"),
+            "--model",
+            str(base),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 2 and done.stderr.count("\n") == 1
     assert done.stderr.startswith("mlxwalk: error: ") and "Traceback" not in done.stderr
     assert json.loads((tmp_path / "first" / "adapter_config.json").read_text())["r"] == 2

@@ -58,8 +58,11 @@ def test_loss_and_gradient_agree_across_frameworks(tmp_path):
     ce = torch.nn.functional.cross_entropy(logits, torch.tensor(y), reduction="none")
     t_loss = (ce * torch.tensor(w)).sum() / float(w.sum())
     t_loss.backward()
-    t_grads = {n.removeprefix("base_model.model.").replace(".default", ""): p.grad.numpy()
-               for n, p in hf.named_parameters() if p.requires_grad}  # fmt: skip
+    t_grads = {
+        n.removeprefix("base_model.model.").replace(".default", ""): p.grad.numpy()
+        for n, p in hf.named_parameters()
+        if p.requires_grad
+    }
 
     for value in (loss.item(), walked_loss):
         assert abs(value - t_loss.item()) <= 1e-5 * abs(t_loss.item())

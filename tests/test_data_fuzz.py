@@ -99,9 +99,22 @@ shaped = st.one_of(
 )
 extras = _rarely(st.just({}), st.dictionaries(keys, values, max_size=2), odds=3)
 rows = st.tuples(shaped, extras).map(lambda t: {**t[1], **t[0]})
-GARBAGE = [b"", b"  ", b"{", b"[1, 2]", b"3", b'"s"', b"null", b"\xff\xfe", b"[" * 5000,
-           b"1" * 5000, b'{"text": "a\xffb"}', b'{"text": "\xed\xa0\x80"}', b"{}",
-           b'\xef\xbb\xbf{"text": "bom"}']  # fmt: skip
+GARBAGE = [
+    b"",
+    b"  ",
+    b"{",
+    b"[1, 2]",
+    b"3",
+    b'"s"',
+    b"null",
+    b"\xff\xfe",
+    b"[" * 5000,
+    b"1" * 5000,
+    b'{"text": "a\xffb"}',
+    b'{"text": "\xed\xa0\x80"}',
+    b"{}",
+    b'\xef\xbb\xbf{"text": "bom"}',
+]
 garbage = st.one_of(st.sampled_from(GARBAGE), st.binary(max_size=30))
 
 
@@ -163,8 +176,10 @@ def test_any_file_loads_or_is_refused_in_one_line_naming_the_row(tok, body, wind
 def _write(folder: Path, *lines: str | bytes | dict) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "train.jsonl"
-    raw = [x if isinstance(x, bytes) else (json.dumps(x) if isinstance(x, dict) else x).encode()
-           for x in lines]  # fmt: skip
+    raw = [
+        x if isinstance(x, bytes) else (json.dumps(x) if isinstance(x, dict) else x).encode()
+        for x in lines
+    ]
     path.write_bytes(b"\n".join(raw) + b"\n")
     return path
 
@@ -212,8 +227,12 @@ def test_bad_message_fields_are_refused(tmp_path, tok, message, says):
 
 def test_null_content_is_fine_beside_tool_calls(tmp_path, tok):
     call = {"function": {"name": "f", "arguments": {}}}
-    row = {"messages": [{"role": "user", "content": "q"},
-                        {"role": "assistant", "content": None, "tool_calls": [call]}]}  # fmt: skip
+    row = {
+        "messages": [
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+        ]
+    }
     _write(tmp_path, row)
     ds = data.load(tmp_path, "train", tok, None)
     assert len(ds.examples) == 1 and ds.examples[0].trainable > 0

@@ -38,8 +38,10 @@ def test_the_op_on_the_kernels_matches_the_ops(on_harness, monkeypatch, chunk):
     the chunk), several chunks, every input's gradient and the initial state's."""
     monkeypatch.setattr(delta, "CHUNK", chunk)
     x = inputs()
-    cots = [mx.array(np.random.default_rng(1).standard_normal((1, 100, 2, 16)).astype(np.float32)),
-            mx.ones((1, 2, 16, 32))]  # fmt: skip
+    cots = [
+        mx.array(np.random.default_rng(1).standard_normal((1, 100, 2, 16)).astype(np.float32)),
+        mx.ones((1, 2, 16, 32)),
+    ]
     assert delta_scan.use_kernel(32, chunk)
     got = mx.vjp(delta.gated_delta, x, cots)
     monkeypatch.setenv("MLXWALK_KERNELS", "off")
@@ -54,11 +56,23 @@ def test_mlx_renders_both_scans():
     n, h, c, dv, dk = 2, 3, 64, 16, 128
     z = mx.zeros
     calls = [
-        delta_kernels.scan_launch(z((n, h, c, dv)), *[z((n, h, c, dk))] * 2, z((n, h, c, c)),
-                                  z((n, h, c, dk)), z((n, h)), z((h, dv, dk))),
-        delta_kernels.scan_back_launch(*[z((n, h, c, dk))] * 2, z((n, h, c, c)), z((n, h, c, dk)),
-                                       z((n, h)), z((n, h, c, dv)), z((h, dv, dk))),
-    ]  # fmt: skip
+        delta_kernels.scan_launch(
+            z((n, h, c, dv)),
+            *[z((n, h, c, dk))] * 2,
+            z((n, h, c, c)),
+            z((n, h, c, dk)),
+            z((n, h)),
+            z((h, dv, dk)),
+        ),
+        delta_kernels.scan_back_launch(
+            *[z((n, h, c, dk))] * 2,
+            z((n, h, c, c)),
+            z((n, h, c, dk)),
+            z((n, h)),
+            z((n, h, c, dv)),
+            z((h, dv, dk)),
+        ),
+    ]
     for call in calls:
         source = harness.render(call)
         assert "[[kernel]] void custom_kernel_" + call.spec.name in source

@@ -51,11 +51,13 @@ def refused(capsys, *args, prog=cli.main) -> str:
 def test_the_torch_tests_are_skipped_with_their_reason_without_torch():
     """With torch, transformers and peft unimportable, every torch test file collects (skipped,
     saying why) instead of stopping the run at collection."""
-    blocked = ("import sys; [sys.modules.__setitem__(m, None) for m in ('torch', 'peft')]; "
-               "import pytest; sys.exit(pytest.main(['-q', '-rs', '-p', 'no:cacheprovider', "
-               "'tests/test_torch_budget.py', 'tests/test_torch_walk.py', "
-               "'tests/test_torch_ranks.py', 'tests/test_layout.py', "
-               "'-k', 'not script_imports_what_exists or torch_backend']))")  # fmt: skip
+    blocked = (
+        "import sys; [sys.modules.__setitem__(m, None) for m in ('torch', 'peft')]; "
+        "import pytest; sys.exit(pytest.main(['-q', '-rs', '-p', 'no:cacheprovider', "
+        "'tests/test_torch_budget.py', 'tests/test_torch_walk.py', "
+        "'tests/test_torch_ranks.py', 'tests/test_layout.py', "
+        "'-k', 'not script_imports_what_exists or torch_backend']))"
+    )
     p = subprocess.run([sys.executable, "-c", blocked], capture_output=True, text=True, cwd=ROOT)
     assert p.returncode == 0, p.stdout[-2000:]
     assert "error" not in p.stdout.lower(), p.stdout[-2000:]
@@ -132,8 +134,9 @@ def test_a_second_run_into_a_locked_folder_is_refused_by_name(qwen2_path, chats,
     holder = FolderLock(out)
     holder.acquire()
     try:
-        with pytest.raises(PlanError, match=f"adapter path {out} is in use by another run "
-                           f"\\(pid {os.getpid()} on "):  # fmt: skip
+        with pytest.raises(
+            PlanError, match=f"adapter path {out} is in use by another run \\(pid {os.getpid()} on "
+        ):
             train_run(quick(qwen2_path, chats, out, iters=1), echo=quiet)
     finally:
         holder.release()
@@ -152,11 +155,29 @@ def test_a_stale_lock_of_a_dead_run_is_taken_over(tmp_path):
 
 def test_two_runs_started_at_once_into_one_folder_one_refused(qwen2_path, chats, tmp_path):  # noqa: F811
     out = tmp_path / "same"
-    cmd = [sys.executable, "-m", "mlxwalk", "train", "--model", qwen2_path, "--data", str(chats),
-           "--chunk", "64", "--iters", "2", "--num-layers", "2", "--no-progress",
-           "--adapter-path", str(out)]  # fmt: skip
-    runs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            for _ in range(2)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "mlxwalk",
+        "train",
+        "--model",
+        qwen2_path,
+        "--data",
+        str(chats),
+        "--chunk",
+        "64",
+        "--iters",
+        "2",
+        "--num-layers",
+        "2",
+        "--no-progress",
+        "--adapter-path",
+        str(out),
+    ]
+    runs = [
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
     results = [(p.wait(timeout=600), p.stderr.read()) for p in runs]
     codes = sorted(code for code, _ in results)
     assert codes == [0, 2], results
@@ -168,11 +189,26 @@ def test_two_runs_started_at_once_into_one_folder_one_refused(qwen2_path, chats,
 
 def test_a_non_ascii_adapter_path_under_a_c_locale_trains_and_saves(qwen2_path, chats, tmp_path):  # noqa: F811
     out = tmp_path / "adapter-\u00e9t\u00e9"
-    env = {**os.environ, "LC_ALL": "C", "LANG": "C", "PYTHONCOERCECLOCALE": "0",
-           "PYTHONUTF8": "0"}  # fmt: skip
-    cmd = [sys.executable, "-m", "mlxwalk", "train", "--model", qwen2_path, "--data", str(chats),
-           "--chunk", "64", "--iters", "1", "--num-layers", "2", "--no-progress",
-           "--adapter-path", os.fsencode(out)]  # fmt: skip
+    env = {**os.environ, "LC_ALL": "C", "LANG": "C", "PYTHONCOERCECLOCALE": "0", "PYTHONUTF8": "0"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "mlxwalk",
+        "train",
+        "--model",
+        qwen2_path,
+        "--data",
+        str(chats),
+        "--chunk",
+        "64",
+        "--iters",
+        "1",
+        "--num-layers",
+        "2",
+        "--no-progress",
+        "--adapter-path",
+        os.fsencode(out),
+    ]
     p = subprocess.run(cmd, capture_output=True, env=env, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-2000:]
     assert (out / "adapters.safetensors").is_file() and (out / "checkpoints").is_dir()
@@ -268,28 +304,51 @@ def test_a_broken_model_folder_is_one_line_naming_the_file(broken, name, message
 
 
 def test_a_model_without_tokenizer_files_is_said_as_such(broken, capsys, tmp_path):
-    err = refused(capsys, "train", "--model", broken / "notokenizer", "--adapter-path",
-                  tmp_path / "ad")  # fmt: skip
+    err = refused(
+        capsys, "train", "--model", broken / "notokenizer", "--adapter-path", tmp_path / "ad"
+    )
     assert "has no tokenizer (none of tokenizer.json" in err
 
 
 def test_data_given_a_file_and_an_adapter_file_given_a_folder(qwen2_path, chats, capsys, tmp_path):  # noqa: F811
     err = refused(capsys, "train", "--data", chats / "train.jsonl")
     assert "is a file; give the folder that holds train.jsonl" in err
-    err = refused(capsys, "--model", qwen2_path, "--train", "--data", chats / "train.jsonl",
-                  prog=lora.main)  # fmt: skip
+    err = refused(
+        capsys, "--model", qwen2_path, "--train", "--data", chats / "train.jsonl", prog=lora.main
+    )
     assert "is a file; give the folder" in err
-    err = refused(capsys, "--model", qwen2_path, "--train", "--data", chats, "--num-layers", "2",
-                  "--adapter-path", tmp_path / "ad", "--resume-adapter-file", chats,
-                  prog=lora.main)  # fmt: skip
+    err = refused(
+        capsys,
+        "--model",
+        qwen2_path,
+        "--train",
+        "--data",
+        chats,
+        "--num-layers",
+        "2",
+        "--adapter-path",
+        tmp_path / "ad",
+        "--resume-adapter-file",
+        chats,
+        prog=lora.main,
+    )
     assert f"--resume-adapter-file {chats} is a folder" in err
 
 
 def test_the_drop_in_on_an_empty_train_jsonl_is_one_line(qwen2_path, capsys, tmp_path):
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "train.jsonl").write_text("")
-    err = refused(capsys, "--model", qwen2_path, "--train", "--data", tmp_path / "d",
-                  "--adapter-path", tmp_path / "ad", prog=lora.main)  # fmt: skip
+    err = refused(
+        capsys,
+        "--model",
+        qwen2_path,
+        "--train",
+        "--data",
+        tmp_path / "d",
+        "--adapter-path",
+        tmp_path / "ad",
+        prog=lora.main,
+    )
     assert "train.jsonl is empty" in err
 
 
@@ -300,12 +359,30 @@ def test_a_garbage_adapter_is_named_by_file(qwen2_path, chats, capsys, tmp_path)
     config = {"num_layers": 2, "lora_parameters": {"rank": 8, "scale": 20.0, "dropout": 0.0}}
     (ad / "adapter_config.json").write_text(json.dumps(config))
     rows(chats, "test.jsonl", [{"text": "a test row"}])
-    err = refused(capsys, "--model", qwen2_path, "--test", "--data", chats, "--adapter-path", ad,
-                  prog=lora.main)  # fmt: skip
+    err = refused(
+        capsys,
+        "--model",
+        qwen2_path,
+        "--test",
+        "--data",
+        chats,
+        "--adapter-path",
+        ad,
+        prog=lora.main,
+    )
     assert f"{ad / 'adapters.safetensors'} is not a readable safetensors file" in err
     (ad / "adapter_config.json").write_text("{")
-    err = refused(capsys, "--model", qwen2_path, "--test", "--data", chats, "--adapter-path", ad,
-                  prog=lora.main)  # fmt: skip
+    err = refused(
+        capsys,
+        "--model",
+        qwen2_path,
+        "--test",
+        "--data",
+        chats,
+        "--adapter-path",
+        ad,
+        prog=lora.main,
+    )
     assert f"{ad / 'adapter_config.json'} is not valid JSON" in err
 
 
@@ -375,11 +452,13 @@ def test_an_empty_mlxwalk_home_is_not_the_current_folder(monkeypatch):
 
 
 def test_an_adapter_path_in_the_model_or_data_folder_is_refused(qwen2_path, chats, capsys):  # noqa: F811
-    err = refused(capsys, "train", "--model", qwen2_path, "--data", chats, "--adapter-path",
-                  qwen2_path)  # fmt: skip
+    err = refused(
+        capsys, "train", "--model", qwen2_path, "--data", chats, "--adapter-path", qwen2_path
+    )
     assert f"adapter path {qwen2_path} is inside the model folder" in err
-    err = refused(capsys, "train", "--model", qwen2_path, "--data", chats, "--adapter-path",
-                  chats / "ad")  # fmt: skip
+    err = refused(
+        capsys, "train", "--model", qwen2_path, "--data", chats, "--adapter-path", chats / "ad"
+    )
     assert "is inside the data folder" in err and not (chats / "ad").exists()
 
 
@@ -388,8 +467,9 @@ def test_an_adapter_path_in_the_model_or_data_folder_is_refused(qwen2_path, chat
 
 def fake_metal(monkeypatch, working_set: int) -> None:
     monkeypatch.setattr(machine, "backend", lambda: "metal")
-    monkeypatch.setattr(machine, "device_info",
-                        lambda: {"max_recommended_working_set_size": working_set})  # fmt: skip
+    monkeypatch.setattr(
+        machine, "device_info", lambda: {"max_recommended_working_set_size": working_set}
+    )
 
 
 def test_on_metal_the_budget_defaults_to_the_recommended_working_set(qwen2, capsys, monkeypatch):
@@ -415,14 +495,17 @@ def test_a_run_on_metal_says_its_default_budget(qwen2_path, chats, tmp_path, mon
 
 def test_on_cuda_the_budget_is_the_free_memory(monkeypatch):
     monkeypatch.setattr(machine, "backend", lambda: "cuda")
-    monkeypatch.setattr(machine, "device_info",
-                        lambda: {"free_memory": 3 << 30, "total_memory": 8 << 30})  # fmt: skip
+    monkeypatch.setattr(
+        machine, "device_info", lambda: {"free_memory": 3 << 30, "total_memory": 8 << 30}
+    )
     assert machine.default_budget_mib(None)[0] == 3 * 1024
 
 
 def test_importing_mlxwalk_routes_nothing():
-    code = ("import sys, mlxwalk, mlx.core as mx; from mlxwalk import _blas; "
-            "print(_blas.loaded is None, 'mlxwalk.plugin' in sys.modules)")  # fmt: skip
+    code = (
+        "import sys, mlxwalk, mlx.core as mx; from mlxwalk import _blas; "
+        "print(_blas.loaded is None, 'mlxwalk.plugin' in sys.modules)"
+    )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert p.stdout.split() == ["True", "False"] and p.stderr == "", (p.stdout, p.stderr)
 

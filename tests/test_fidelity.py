@@ -45,14 +45,36 @@ def test_same_losses_as_mlx_lm_lora(qwen2_path, tmp_path):
     rows = [chat(i, turns=2) for i in range(6)]
     (d / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:4]))
     (d / "valid.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[4:]))
-    common = ["--model", qwen2_path, "--train", "--data", str(d), "--iters", "10",
-              "--batch-size", "1", "--mask-prompt", "--val-batches", "-1",
-              "--steps-per-report", "1", "--steps-per-eval", "5", "--learning-rate", "1e-3",
-              "--num-layers", "2", "--seed", "3"]  # fmt: skip
+    common = [
+        "--model",
+        qwen2_path,
+        "--train",
+        "--data",
+        str(d),
+        "--iters",
+        "10",
+        "--batch-size",
+        "1",
+        "--mask-prompt",
+        "--val-batches",
+        "-1",
+        "--steps-per-report",
+        "1",
+        "--steps-per-eval",
+        "5",
+        "--learning-rate",
+        "1e-3",
+        "--num-layers",
+        "2",
+        "--seed",
+        "3",
+    ]
     theirs = mlx_lm_run([*common, "--adapter-path", str(tmp_path / "theirs")])
     ours = Seen()
-    lora.run(lora.options([*common, "--adapter-path", str(tmp_path / "ours"), "--chunk", "512"]),
-             training_callback=ours)  # fmt: skip
+    lora.run(
+        lora.options([*common, "--adapter-path", str(tmp_path / "ours"), "--chunk", "512"]),
+        training_callback=ours,
+    )
     assert len(ours.train) == len(theirs.train) == 10
     assert abs(ours.val[0] - theirs.val[0]) <= 1e-4, (ours.val, theirs.val)
     assert np.max(np.abs(np.array(ours.train) - np.array(theirs.train))) <= 1e-3, (

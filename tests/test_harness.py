@@ -118,24 +118,35 @@ simdgroup_store(acc, c, N, ulong2(col0 + c8, row0 + r8));
 GEMM_HALF = mutated(
     GEMM,
     ("ta[i] = a[", "ta[i] = 1.0h * a["),
-    ("threadgroup float ta[16 * 16];\nthreadgroup float tb[16 * 16];",
-     "threadgroup half tiles[2][16 * 16];\nthreadgroup half* ta = tiles[0];\n"
-     "threadgroup half *tb = tiles[1];"),
+    (
+        "threadgroup float ta[16 * 16];\nthreadgroup float tb[16 * 16];",
+        "threadgroup half tiles[2][16 * 16];\nthreadgroup half* ta = tiles[0];\n"
+        "threadgroup half *tb = tiles[1];",
+    ),
     ("simdgroup_float8x8 x, y;", "simdgroup_half8x8 xh, yh;\n    simdgroup_float8x8 x, y;"),
     ("simdgroup_load(x, ta", "simdgroup_load(xh, ta"),
     ("simdgroup_load(y, tb", "simdgroup_load(yh, tb"),
-    ("simdgroup_multiply_accumulate(",
-     "x.thread_elements() = float2(xh.thread_elements());\n"
-     "    y.thread_elements() = float2(yh.thread_elements());\n    simdgroup_multiply_accumulate("),
-)  # fmt: skip
+    (
+        "simdgroup_multiply_accumulate(",
+        "x.thread_elements() = float2(xh.thread_elements());\n"
+        "    y.thread_elements() = float2(yh.thread_elements());\n"
+        "    simdgroup_multiply_accumulate(",
+    ),
+)
 
 
 def gemm(stem: str, body: str, a: mx.array, b: mx.array, header: str = "") -> Launch:
     (m, k), n = a.shape, b.shape[1]
     assert m % 16 == 0 and n % 16 == 0 and k % 16 == 0
-    return Launch(spec(stem, body, ("a", "b"), ("c",), header), [a, b], [(m, n)], [mx.float32],
-                  grid=(n // 16 * 128, m // 16, 1), threadgroup=(128, 1, 1),
-                  template=[("N", n), ("K", k)])  # fmt: skip
+    return Launch(
+        spec(stem, body, ("a", "b"), ("c",), header),
+        [a, b],
+        [(m, n)],
+        [mx.float32],
+        grid=(n // 16 * 128, m // 16, 1),
+        threadgroup=(128, 1, 1),
+        template=[("N", n), ("K", k)],
+    )
 
 
 def operands(m=32, n=32, k=48, dtype=mx.float32, seed=0) -> tuple[mx.array, mx.array]:
@@ -185,8 +196,14 @@ simdgroup_store(m, out, 8);
 
 
 def lanes_call(stem: str = "lanes") -> Launch:
-    return Launch(spec(stem, LANES, ("x",), ("out",)), [mx.zeros((8,))], [(8, 8)], [mx.float32],
-                  grid=(32, 1, 1), threadgroup=(32, 1, 1))  # fmt: skip
+    return Launch(
+        spec(stem, LANES, ("x",), ("out",)),
+        [mx.zeros((8,))],
+        [(8, 8)],
+        [mx.float32],
+        grid=(32, 1, 1),
+        threadgroup=(32, 1, 1),
+    )
 
 
 def apple_layout() -> np.ndarray:
@@ -241,8 +258,9 @@ def test_a_mutated_lane_map_is_caught(row_major_header):
     apple = mutated(GEMM, ("STORE", SOFTMAX))
     (c,) = harness.run(gemm("softmax_mutated_header", apple, a, b))
     assert error(c, want) > 0.1
-    (c,) = harness.run(gemm("softmax_row_major_mutated_header",
-                            mutated(apple, *ROW_MAJOR_LANES), a, b))  # fmt: skip
+    (c,) = harness.run(
+        gemm("softmax_row_major_mutated_header", mutated(apple, *ROW_MAJOR_LANES), a, b)
+    )
     assert error(c, want) < F32
     (c,) = harness.run(gemm("gemm_mutated_header", mutated(GEMM, ("STORE", STORE)), a, b))
     assert error(c, product(a, b)) < F32
@@ -271,8 +289,15 @@ simdgroup_store(f, out + 64, 8);
 def test_origin_row_length_and_transposition(dtype):
     x = mx.arange(12 * 12).reshape(12, 12).astype(dtype)
     moves = spec("moves_" + str(dtype).split(".")[-1], MOVES, ("x",), ("out",))
-    call = Launch(moves, [x], [(4, 8, 8)], [mx.float32], grid=(32, 1, 1), threadgroup=(32, 1, 1),
-                  template=[("T", dtype), ("W", 12)])  # fmt: skip
+    call = Launch(
+        moves,
+        [x],
+        [(4, 8, 8)],
+        [mx.float32],
+        grid=(32, 1, 1),
+        threadgroup=(32, 1, 1),
+        template=[("T", dtype), ("W", 12)],
+    )
     (out,) = harness.run(call)
     big = np.array(x.astype(mx.float32))
     block = big[2:10, 3:11]
@@ -346,8 +371,14 @@ def test_counters_on_the_attention_forward():
 
 def test_threadgroup_memory_past_32_kib_is_refused():
     body = "threadgroup float big[8200];\nbig[thread_index_in_threadgroup] = 1.0f;\nout[0] = 0.0f;"
-    call = Launch(spec("too_big", body, ("x",), ("out",)), [mx.zeros((8,))], [(1,)],
-                  [mx.float32], grid=(32, 1, 1), threadgroup=(32, 1, 1))  # fmt: skip
+    call = Launch(
+        spec("too_big", body, ("x",), ("out",)),
+        [mx.zeros((8,))],
+        [(1,)],
+        [mx.float32],
+        grid=(32, 1, 1),
+        threadgroup=(32, 1, 1),
+    )
     with pytest.raises(RuntimeError, match="32800 bytes of threadgroup memory"):
         harness.run(call)
 
@@ -355,8 +386,14 @@ def test_threadgroup_memory_past_32_kib_is_refused():
 def test_two_threadgroup_arrays_in_one_declaration_are_refused():
     """They would silently become one array per thread."""
     body = "threadgroup float ta[32], tb[32];\nout[0] = 0.0f;"
-    call = Launch(spec("two_in_one", body, ("x",), ("out",)), [mx.zeros((8,))], [(1,)],
-                  [mx.float32], grid=(32, 1, 1), threadgroup=(32, 1, 1))  # fmt: skip
+    call = Launch(
+        spec("two_in_one", body, ("x",), ("out",)),
+        [mx.zeros((8,))],
+        [(1,)],
+        [mx.float32],
+        grid=(32, 1, 1),
+        threadgroup=(32, 1, 1),
+    )
     with pytest.raises(ValueError, match="one threadgroup variable per declaration"):
         harness.run(call)
 
@@ -371,9 +408,12 @@ SCALED = "out[thread_position_in_grid.x] = x[thread_position_in_grid.x] * first(
 
 def written_here() -> list[Launch]:
     a, b = operands()
-    return [gemm("gemm", mutated(GEMM, ("STORE", STORE)), a, b),
-            gemm("gemm_half", mutated(GEMM_HALF, ("STORE", STORE)), *operands(dtype=mx.float16)),
-            gemm("softmax", mutated(GEMM, ("STORE", SOFTMAX)), a, b), lanes_call()]  # fmt: skip
+    return [
+        gemm("gemm", mutated(GEMM, ("STORE", STORE)), a, b),
+        gemm("gemm_half", mutated(GEMM_HALF, ("STORE", STORE)), *operands(dtype=mx.float16)),
+        gemm("softmax", mutated(GEMM, ("STORE", SOFTMAX)), a, b),
+        lanes_call(),
+    ]
 
 
 def the_projects() -> list[Launch]:
@@ -389,8 +429,9 @@ def the_projects() -> list[Launch]:
         calls += attention_kernels.backward_launches(q, k, k, pk, pk, 10, 4, 0.1, lse, lse, q)
     w, p = z((1, 1, 16, 32)), z((1, 1, 16, 16))
     calls.append(delta_kernels.scan_launch(z((1, 1, 16, 8)), w, w, p, w, z((1, 1)), z((1, 8, 32))))
-    calls.append(delta_kernels.scan_back_launch(w, w, p, w, z((1, 1)), z((1, 1, 16, 8)),
-                                                z((1, 8, 32))))  # fmt: skip
+    calls.append(
+        delta_kernels.scan_back_launch(w, w, p, w, z((1, 1)), z((1, 1, 16, 8)), z((1, 8, 32)))
+    )
     return calls
 
 
@@ -405,14 +446,20 @@ def test_the_projects_kernels_and_these_pass_the_address_space_check():
     "name, edit",
     [
         ("a threadgroup array to a device parameter", (STORE, STORE + "\nc[0] = first(ta);")),
-        ("a threadgroup array bound to a device pointer",
-         (STORE, STORE + "\ndevice float* p = ta;\np[0] = 0.0f;")),
-        ("a thread array bound to a threadgroup pointer",
-         (STORE, STORE + "\nthread float own[4];\nthreadgroup float* p = own;\np[0] = 0.0f;")),
-        ("a thread array loaded as a matrix",
-         (STORE, STORE + "\nthread float own[64];\nsimdgroup_load(acc, own);")),
+        (
+            "a threadgroup array bound to a device pointer",
+            (STORE, STORE + "\ndevice float* p = ta;\np[0] = 0.0f;"),
+        ),
+        (
+            "a thread array bound to a threadgroup pointer",
+            (STORE, STORE + "\nthread float own[4];\nthreadgroup float* p = own;\np[0] = 0.0f;"),
+        ),
+        (
+            "a thread array loaded as a matrix",
+            (STORE, STORE + "\nthread float own[64];\nsimdgroup_load(acc, own);"),
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_pointer_crossing_address_spaces_is_refused(name, edit):
     """g++ (address spaces defined away) compiles each; the clang check refuses it, as Metal's
     compiler would, and so does the harness's compile path."""
@@ -429,9 +476,14 @@ def test_a_pointer_crossing_address_spaces_is_refused(name, edit):
 def test_a_small_input_in_constant_memory_meets_a_device_parameter():
     """MLX passes an input of fewer than 8 elements as `constant`: handing it to a helper that
     takes a `device` pointer compiles with g++ but not for an Apple GPU."""
-    call = Launch(spec("scaled", SCALED, ("x", "s"), ("out",), HELPERS),
-                  [mx.ones((32,)), mx.array([2.0])], [(32,)], [mx.float32],
-                  grid=(32, 1, 1), threadgroup=(32, 1, 1))  # fmt: skip
+    call = Launch(
+        spec("scaled", SCALED, ("x", "s"), ("out",), HELPERS),
+        [mx.ones((32,)), mx.array([2.0])],
+        [(32,)],
+        [mx.float32],
+        grid=(32, 1, 1),
+        threadgroup=(32, 1, 1),
+    )
     assert "const constant float* s" in harness.render(call)
     harness.compile_call(call, check=False)
     with pytest.raises(harness.AddressSpaceError, match="first"):

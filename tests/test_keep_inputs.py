@@ -23,8 +23,9 @@ def test_kept_inputs_are_replayed_and_exact(request, model, monkeypatch):
     replayed = []
     replaying = layerwise.replaying
     monkeypatch.setattr(layerwise, "replaying", lambda kept: replayed.append(1) or replaying(kept))
-    _, kept = window_gradient(model, IDS[:-1], IDS[1:], w, chunk=32, recompute=True,
-                              keep_inputs="on")  # fmt: skip
+    _, kept = window_gradient(
+        model, IDS[:-1], IDS[1:], w, chunk=32, recompute=True, keep_inputs="on"
+    )
     assert len(replayed) == 3  # every chunk but the last (not decoded) replays its inputs
     assert BARS[EXACT](*compare(kept, one))
 
@@ -37,8 +38,9 @@ def test_the_exact_row_fails_when_another_chunks_inputs_are_replayed(qwen2, monk
         return self.kept.get(chunk.index - 1)
 
     monkeypatch.setattr(ExactWalk, "kept_inputs", shifted)
-    _, broken = window_gradient(qwen2, IDS[:-1], IDS[1:], w, chunk=32, recompute=True,
-                                keep_inputs="on")  # fmt: skip
+    _, broken = window_gradient(
+        qwen2, IDS[:-1], IDS[1:], w, chunk=32, recompute=True, keep_inputs="on"
+    )
     assert not BARS[EXACT](*compare(broken, one))
 
 

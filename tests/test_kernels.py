@@ -21,9 +21,18 @@ F32 = 1e-5  # float32: the kernels accumulate in float32 like the twin, in anoth
 # are multiples of no block; two kv heads in the first case at 128 and at 256.
 @pytest.mark.parametrize(
     "dim, groups, kv_heads",
-    [(64, 5, 1), (64, 6, 1), (64, 7, 1), (64, 8, 1), (128, 1, 2), (128, 2, 1), (128, 4, 1),
-     (256, 1, 2), (256, 3, 1)],
-)  # fmt: skip
+    [
+        (64, 5, 1),
+        (64, 6, 1),
+        (64, 7, 1),
+        (64, 8, 1),
+        (128, 1, 2),
+        (128, 2, 1),
+        (128, 4, 1),
+        (256, 1, 2),
+        (256, 3, 1),
+    ],
+)
 def test_float32_kernels_match_the_twin(on_harness, dim, groups, kv_heads):
     sizes = check.Sizes(kv_heads=kv_heads, chunk=45, start=100, grad_from=37)
     case = routing.Case("metal", mx.float32, dim, groups)
@@ -33,9 +42,12 @@ def test_float32_kernels_match_the_twin(on_harness, dim, groups, kv_heads):
 
 @pytest.mark.parametrize(
     "dtype, store, dim, groups",
-    [(mx.float16, mx.float16, 64, 2), (mx.bfloat16, mx.float32, 128, 3),
-     (mx.bfloat16, mx.float16, 256, 2)],
-)  # fmt: skip
+    [
+        (mx.float16, mx.float16, 64, 2),
+        (mx.bfloat16, mx.float32, 128, 3),
+        (mx.bfloat16, mx.float16, 256, 2),
+    ],
+)
 def test_half_precision_within_the_twins_own_error(on_harness, dtype, store, dim, groups):
     """In float16/bfloat16 (with a store of another dtype in the mixed cases) the kernels' error
     against the float32 reference is no worse than the twin's own in that dtype."""
@@ -52,8 +64,15 @@ def test_a_batch_over_its_own_store_or_a_shared_one(on_harness, store_batch):
     q, d_out = mx.random.normal((2, 4, 21, 64)), mx.random.normal((2, 4, 21, 64))
     k, v = mx.random.normal((2, 2, 2, 21, 64))
     keys, values = mx.random.normal((2, store_batch, 2, 60, 64))
-    x = {"q": q, "k": k, "v": v, "prefix": Prefix(check.Store(keys, values), 0, 50, mx.float32),
-         "grad_from": 19, "scale": 0.125, "d_out": d_out}  # fmt: skip
+    x = {
+        "q": q,
+        "k": k,
+        "v": v,
+        "prefix": Prefix(check.Store(keys, values), 0, 50, mx.float32),
+        "grad_from": 19,
+        "scale": 0.125,
+        "d_out": d_out,
+    }
     got, want = check.through("kernel", x), check.through("twin", x)
     for name in check.OUTPUTS:
         assert check.relative_error(got[name], want[name]) < F32, name
@@ -244,15 +263,25 @@ def mutating(monkeypatch, stem: str, *edits: tuple[str, str]) -> None:
     "stem, old, new, broken, dim",  # broken: the output the mutation must show in
     [
         ("attention/dq", "- dl)", ")", "dq", 64),  # dS without the rowsum term
-        ("attention/forward", "const int sees = START + metal::min(r0 + fr, L - 1) + 1;",
-         "const int sees = START + L;", "out", 64),  # not causal within a simdgroup's rows
+        (
+            "attention/forward",
+            "const int sees = START + metal::min(r0 + fr, L - 1) + 1;",
+            "const int sees = START + L;",
+            "out",
+            64,
+        ),  # not causal within a simdgroup's rows
         ("attention/dkdv", "(kc < NT || kc - NT <= i)", "(kc < NK)", "dk", 64),  # nor in dK/dV
-        ("attention/forward", "simd_shuffle_xor(x, 8)", "simd_shuffle_xor(x, 2)", "out",
-         64),  # a row's lanes taken from another layout
+        (
+            "attention/forward",
+            "simd_shuffle_xor(x, 8)",
+            "simd_shuffle_xor(x, 2)",
+            "out",
+            64,
+        ),  # a row's lanes taken from another layout
         ("attention/dkdv", "(2 * (rg * SPLIT + p))", "(2 * sg)", "dk", 128),  # partners' parts
         ("attention/dq", "0, KT) : 0;", "0, KT - 1) : 0;", "dq", 64),  # a key tile skipped
     ],
-)  # fmt: skip
+)
 def test_the_harness_catches_a_broken_kernel(on_harness, monkeypatch, stem, old, new, broken, dim):
     """The comparisons can fail: each mutation of a Metal body shows as a large error."""
     from metal_kernels import build
@@ -290,9 +319,10 @@ def counted_launches(dtype=mx.float32, store=mx.float32, dim=64, heads=4, kv_hea
     k, v = normal(1, kv_heads, 37, dim), normal(1, kv_heads, 37, dim)
     pk, pv = normal(1, kv_heads, 60, dim, dt=store), normal(1, kv_heads, 60, dim, dt=store)
     lse, delta = normal(1, heads, 37, dt=mx.float32), normal(1, heads, 37, dt=mx.float32)
-    calls = [attention_kernels.forward_launch(q, k, v, pk, pv, 50, 0.1),
-             *attention_kernels.backward_launches(q, k, v, pk, pv, 50, 20, 0.1, lse, delta,
-                                                  d_out)]  # fmt: skip
+    calls = [
+        attention_kernels.forward_launch(q, k, v, pk, pv, 50, 0.1),
+        *attention_kernels.backward_launches(q, k, v, pk, pv, 50, 20, 0.1, lse, delta, d_out),
+    ]
     shape = traffic.Shape(1, heads, kv_heads, 37, 50, 20, dim, dtype, store)
     return dict(zip(blocks.KERNELS, calls)), shape
 
@@ -321,14 +351,26 @@ def test_each_block_is_read_once_per_threadgroup(dtype, store, dim):
 @pytest.mark.parametrize(
     "kind, stem, old, new",
     [
-        ("forward", "attention/forward", "k_own, k0, START, kend, tid, THREADS",
-         "k_own, k0, START, kend, lane, 32"),  # each simdgroup stages K itself
-        ("dq", "attention/dq", "v_own, k0, START, kend, tid, THREADS",
-         "v_own, k0, START, kend, lane, 32"),  # each simdgroup stages V itself
-        ("dkdv", "attention/dkdv", "q0, L, tid, THREADS);\n    stage_rows<D>(tdo",
-         "q0, L, lane, 32);\n    stage_rows<D>(tdo"),  # each simdgroup stages Q itself
+        (
+            "forward",
+            "attention/forward",
+            "k_own, k0, START, kend, tid, THREADS",
+            "k_own, k0, START, kend, lane, 32",
+        ),  # each simdgroup stages K itself
+        (
+            "dq",
+            "attention/dq",
+            "v_own, k0, START, kend, tid, THREADS",
+            "v_own, k0, START, kend, lane, 32",
+        ),  # each simdgroup stages V itself
+        (
+            "dkdv",
+            "attention/dkdv",
+            "q0, L, tid, THREADS);\n    stage_rows<D>(tdo",
+            "q0, L, lane, 32);\n    stage_rows<D>(tdo",
+        ),  # each simdgroup stages Q itself
     ],
-)  # fmt: skip
+)
 def test_the_traffic_test_catches_a_block_read_per_simdgroup(monkeypatch, kind, stem, old, new):
     """Each simdgroup loading a block from device memory itself computes the same outputs, but
     reads past the bound above."""
@@ -361,13 +403,26 @@ def test_no_small_input_meets_pointer_arithmetic():
     z = mx.zeros
     q, k = z((1, 1, 1, 64)), z((1, 1, 1, 64))  # the smallest Metal head dim
     lse = delta = z((1, 1, 1))
-    calls = [attention_kernels.forward_launch(q, k, k, None, None, 0, 0.1),
-             *attention_kernels.backward_launches(q, k, k, None, None, 0, 0, 0.1, lse, delta, q),
-             delta_kernels.scan_launch(z((1, 1, 1, 1)), *[z((1, 1, 1, 32))] * 2, z((1, 1, 1, 1)),
-                                       z((1, 1, 1, 32)), z((1, 1)), z((1, 1, 32))),
-             delta_kernels.scan_back_launch(*[z((1, 1, 1, 32))] * 2, z((1, 1, 1, 1)),
-                                            z((1, 1, 1, 32)), z((1, 1)), z((1, 1, 1, 1)),
-                                            z((1, 1, 32)))]  # fmt: skip
+    calls = [
+        attention_kernels.forward_launch(q, k, k, None, None, 0, 0.1),
+        *attention_kernels.backward_launches(q, k, k, None, None, 0, 0, 0.1, lse, delta, q),
+        delta_kernels.scan_launch(
+            z((1, 1, 1, 1)),
+            *[z((1, 1, 1, 32))] * 2,
+            z((1, 1, 1, 1)),
+            z((1, 1, 1, 32)),
+            z((1, 1)),
+            z((1, 1, 32)),
+        ),
+        delta_kernels.scan_back_launch(
+            *[z((1, 1, 1, 32))] * 2,
+            z((1, 1, 1, 1)),
+            z((1, 1, 1, 32)),
+            z((1, 1)),
+            z((1, 1, 1, 1)),
+            z((1, 1, 32)),
+        ),
+    ]
     for call in calls:
         source = harness.render(call)
         body = source.split(") {", 1)[1]

@@ -30,8 +30,9 @@ def data_dir(tmp_path):
 
 
 def lora(*args):
-    return subprocess.run([sys.executable, "-m", "mlxwalk.lora", *args],
-                          capture_output=True, text=True)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "mlxwalk.lora", *args], capture_output=True, text=True
+    )
 
 
 def test_lora_cli_takes_mlx_lm_arguments_and_yaml(qwen2_path, data_dir, tmp_path):
@@ -53,8 +54,11 @@ def test_lora_cli_takes_mlx_lm_arguments_and_yaml(qwen2_path, data_dir, tmp_path
     p = lora("-c", str(config))
     assert p.returncode == 0, p.stderr
     assert "Iter 4: Train loss" in p.stdout and "Iter 1: Val loss" in p.stdout  # it=2, as mlx-lm
-    rates = [float(line.split("Learning Rate ")[1].split(",")[0])
-             for line in p.stdout.splitlines() if "Learning Rate" in line]  # fmt: skip
+    rates = [
+        float(line.split("Learning Rate ")[1].split(",")[0])
+        for line in p.stdout.splitlines()
+        if "Learning Rate" in line
+    ]
     assert rates[0] < rates[1] <= 1e-3  # the warmup, then the peak
     saved = json.loads((tmp_path / "ad" / "adapter_config.json").read_text())
     assert saved["lora_parameters"]["rank"] == 4 and saved["num_layers"] == 2
@@ -66,15 +70,37 @@ def test_lora_cli_takes_mlx_lm_arguments_and_yaml(qwen2_path, data_dir, tmp_path
 
 @pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed")
 def test_lora_cli_report_to_an_uninstalled_logger_is_one_line(qwen2_path, data_dir, tmp_path):
-    p = lora("--model", qwen2_path, "--train", "--data", str(data_dir), "--num-layers", "2",
-             "--report-to", "wandb", "--adapter-path", str(tmp_path / "ad"))  # fmt: skip
+    p = lora(
+        "--model",
+        qwen2_path,
+        "--train",
+        "--data",
+        str(data_dir),
+        "--num-layers",
+        "2",
+        "--report-to",
+        "wandb",
+        "--adapter-path",
+        str(tmp_path / "ad"),
+    )
     assert p.returncode == 2 and "--report-to wandb: wandb is not installed" in p.stderr, p.stderr
     assert "Traceback" not in p.stderr and not (tmp_path / "ad").exists()
 
 
 def test_max_seq_length_cuts_only_when_given_and_says_so(qwen2_path, data_dir, tmp_path):
-    base = ["--model", qwen2_path, "--train", "--data", str(data_dir), "--num-layers", "2",
-            "--iters", "1", "--chunk", "128"]  # fmt: skip
+    base = [
+        "--model",
+        qwen2_path,
+        "--train",
+        "--data",
+        str(data_dir),
+        "--num-layers",
+        "2",
+        "--iters",
+        "1",
+        "--chunk",
+        "128",
+    ]
     whole = lora(*base, "--adapter-path", str(tmp_path / "a"))
     assert whole.returncode == 0 and "max_seq_length" not in whole.stdout, whole.stderr
     cut = lora(*base, "--max-seq-length", "64", "--adapter-path", str(tmp_path / "b"))
@@ -107,8 +133,17 @@ def test_train_reports_through_mlx_lm_callbacks(qwen2_path, data_dir, tmp_path):
     model, tok = mlx_lm.load(qwen2_path)
     model.freeze()
     linear_to_lora_layers(model, 2, {"rank": 4, "scale": 10.0, "dropout": 0.0})
-    ns = type("A", (), {"data": str(data_dir), "train": True, "test": False,
-                        "hf_dataset": None, "mask_prompt": True})()  # fmt: skip
+    ns = type(
+        "A",
+        (),
+        {
+            "data": str(data_dir),
+            "train": True,
+            "test": False,
+            "hf_dataset": None,
+            "mask_prompt": True,
+        },
+    )()
     train_set, valid_set, _ = load_dataset(ns, tok)
 
     class Seen(TrainingCallback):
@@ -142,9 +177,15 @@ def test_train_reports_through_mlx_lm_callbacks(qwen2_path, data_dir, tmp_path):
         walk_config=WalkConfig(chunk=128),
     )
     assert [r["iteration"] for r in seen.train] == [1, 2]
-    assert set(seen.train[0]) == {"iteration", "train_loss", "learning_rate",
-                                  "iterations_per_second", "tokens_per_second",
-                                  "trained_tokens", "peak_memory"}  # fmt: skip
+    assert set(seen.train[0]) == {
+        "iteration",
+        "train_loss",
+        "learning_rate",
+        "iterations_per_second",
+        "tokens_per_second",
+        "trained_tokens",
+        "peak_memory",
+    }
     assert set(seen.val[0]) == {"iteration", "val_loss", "val_time"}
     assert (tmp_path / "a.safetensors").exists()
 
@@ -161,9 +202,11 @@ def test_lora_cli_takes_all_layers_a_partial_lora_mapping_and_refuses_a_missing_
     qwen2_path, data_dir, tmp_path
 ):
     config = tmp_path / "c.yaml"
-    config.write_text(f"model: {qwen2_path}\ntrain: true\ndata: {data_dir}\niters: 1\n"
-                      f"num_layers: -1\nlora_parameters: {{rank: 4}}\noptimizer: Adam\n"
-                      f"adapter_path: {tmp_path / 'ad'}\nchunk: 128\n")  # fmt: skip
+    config.write_text(
+        f"model: {qwen2_path}\ntrain: true\ndata: {data_dir}\niters: 1\n"
+        f"num_layers: -1\nlora_parameters: {{rank: 4}}\noptimizer: Adam\n"
+        f"adapter_path: {tmp_path / 'ad'}\nchunk: 128\n"
+    )
     p = lora("-c", str(config))
     assert p.returncode == 0, p.stderr
     saved = json.loads((tmp_path / "ad" / "adapter_config.json").read_text())

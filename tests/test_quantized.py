@@ -40,16 +40,37 @@ def test_a_quantized_model_walks_exactly(name):
 def test_train_on_a_quantized_folder_then_generate_and_fuse(tmp_path):
     base = tiny.path("tiny-qwen2-4bit")
     out = tmp_path / "run"
-    cfg = TrainConfig(model=str(base), iters=2, epochs=1, window=256, chunk=64,
-                      adapter_path=str(out), progress=False)  # fmt: skip
+    cfg = TrainConfig(
+        model=str(base),
+        iters=2,
+        epochs=1,
+        window=256,
+        chunk=64,
+        adapter_path=str(out),
+        progress=False,
+    )
     train_run(cfg, echo=lambda *a: None)
     model, tokenizer = mlx_lm.load(str(base), adapter_path=str(out))
     text = mlx_lm.generate(model, tokenizer, prompt="hello", max_tokens=4)
     assert isinstance(text, str)
     fused = tmp_path / "fused"
-    done = subprocess.run([sys.executable, "-m", "mlx_lm", "fuse", "--model", str(base),
-                           "--adapter-path", str(out), "--save-path", str(fused),
-                           "--dequantize"], capture_output=True, text=True)  # fmt: skip
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mlx_lm",
+            "fuse",
+            "--model",
+            str(base),
+            "--adapter-path",
+            str(out),
+            "--save-path",
+            str(fused),
+            "--dequantize",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "quantization" not in json.loads((fused / "config.json").read_text())
     ids = mx.array(IDS[:64])[None]

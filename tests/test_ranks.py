@@ -17,8 +17,22 @@ from mlxwalk.training.ranks import Ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCH = Path(sys.executable).parent / "mlx.launch"
-RUN = ["train", "--model", "tiny-qwen2", "--iters", "4", "--epochs", "1", "--chunk", "64",
-       "--window", "256", "--no-progress", "--seed", "3"]  # fmt: skip
+RUN = [
+    "train",
+    "--model",
+    "tiny-qwen2",
+    "--iters",
+    "4",
+    "--epochs",
+    "1",
+    "--chunk",
+    "64",
+    "--window",
+    "256",
+    "--no-progress",
+    "--seed",
+    "3",
+]
 
 
 def free_port() -> int:
@@ -28,9 +42,21 @@ def free_port() -> int:
 
 
 def launch(ranks: int, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    cmd = [str(LAUNCH), "-n", str(ranks), "--backend", "ring", "-p", str(free_port()),
-           "--env", "OPENBLAS_NUM_THREADS=1",  # two ranks on this machine's cores
-           "--python", sys.executable, str(ROOT / "tests" / "launched.py"), *args]  # fmt: skip
+    cmd = [
+        str(LAUNCH),
+        "-n",
+        str(ranks),
+        "--backend",
+        "ring",
+        "-p",
+        str(free_port()),
+        "--env",
+        "OPENBLAS_NUM_THREADS=1",  # two ranks on this machine's cores
+        "--python",
+        sys.executable,
+        str(ROOT / "tests" / "launched.py"),
+        *args,
+    ]
     if env:
         cmd[1:1] = [a for k, v in env.items() for a in ("--env", f"{k}={v}")]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
@@ -97,9 +123,26 @@ def test_the_mlx_lm_drop_in_takes_a_row_per_rank(qwen2_path, tmp_path):
     data.mkdir()
     (data / "train.jsonl").write_text("".join(json.dumps(chat(i)) + "\n" for i in range(4)))
     (data / "valid.jsonl").write_text("".join(json.dumps(chat(i)) + "\n" for i in (7, 8)))
-    args = ["lora", "--model", qwen2_path, "--train", "--data", str(data), "--iters", "2",
-            "--batch-size", "2", "--num-layers", "2", "--chunk", "128", "--steps-per-report", "1",
-            "--adapter-path", str(tmp_path / "ad")]  # fmt: skip
+    args = [
+        "lora",
+        "--model",
+        qwen2_path,
+        "--train",
+        "--data",
+        str(data),
+        "--iters",
+        "2",
+        "--batch-size",
+        "2",
+        "--num-layers",
+        "2",
+        "--chunk",
+        "128",
+        "--steps-per-report",
+        "1",
+        "--adapter-path",
+        str(tmp_path / "ad"),
+    ]
     two = launch(2, *args)
     assert "exited with code" not in two.stderr, two.stderr[-2000:]
     assert (tmp_path / "ad" / "adapters.safetensors").exists()

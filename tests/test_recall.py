@@ -60,8 +60,15 @@ def test_answer_scores_a_known_case():
 
 def test_the_quick_run(tmp_path):
     out = tmp_path / "recall.json"
-    cmd = [sys.executable, str(ROOT / "scripts" / "recall.py"), "--quick",
-           "--trainers", "one-graph,exact,plain", "--json", str(out)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(ROOT / "scripts" / "recall.py"),
+        "--quick",
+        "--trainers",
+        "one-graph,exact,plain",
+        "--json",
+        str(out),
+    ]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert "| exact | 1 |" in run.stdout

@@ -19,6 +19,7 @@ from mlxwalk import cli, tiny
 from mlxwalk.plan import MIB, OutOfMemory, PlanError
 from mlxwalk.plugin import lora
 from mlxwalk.training import run
+from mlxwalk.training.files import FolderLock
 from mlxwalk.training.run import TrainConfig, train_run
 from mlxwalk.training.watch import BUDGET_MARGIN
 from mlxwalk.walk import ExactWalk, WalkConfig, Window, budget, window_gradient
@@ -53,8 +54,16 @@ def variant(tmp_path_factory, name: str, seed: int = 2, **config) -> str:
 
 
 def quick(qwen2_path, data, out, **kw) -> TrainConfig:
-    base = dict(model=qwen2_path, data=str(data), chunk=64, epochs=1, lr=1e-3, num_layers=2,
-                adapter_path=str(out), progress=False)  # fmt: skip
+    base = dict(
+        model=qwen2_path,
+        data=str(data),
+        chunk=64,
+        epochs=1,
+        lr=1e-3,
+        num_layers=2,
+        adapter_path=str(out),
+        progress=False,
+    )
     return TrainConfig(**{**base, **kw})
 
 
@@ -97,8 +106,19 @@ def test_lora_test_scores_the_adapter_it_is_given_and_writes_nothing(
 ):
     ad = tmp_path / "ad"
     common = ["--model", qwen2_path, "--data", chats, "--chunk", 64]
-    code, _, err = lora_main(capsys, *common, "--train", "--iters", 3, "--learning-rate", 3e-2,
-                             "--num-layers", 2, "--adapter-path", ad)  # fmt: skip
+    code, _, err = lora_main(
+        capsys,
+        *common,
+        "--train",
+        "--iters",
+        3,
+        "--learning-rate",
+        3e-2,
+        "--num-layers",
+        2,
+        "--adapter-path",
+        ad,
+    )
     assert code == 0, err
     config = (ad / "adapter_config.json").read_bytes()
 
@@ -271,8 +291,9 @@ def test_a_non_finite_window_stops_before_its_step_and_keeps_the_last_checkpoint
     assert all(np.isfinite(np.asarray(v)).all() for v in kept.values())
     assert not (out / "adapters.safetensors").exists()  # no adapter of NaNs
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
-        "window-0000001", "window-0000002"
-    ]  # fmt: skip
+        "window-0000001",
+        "window-0000002",
+    ]
 
 
 def test_on_nan_skip_skips_the_window_with_the_adapter_unchanged(
@@ -280,8 +301,9 @@ def test_on_nan_skip_skips_the_window_with_the_adapter_unchanged(
 ):
     poison_window(monkeypatch, {2})
     lines = []
-    report = train_run(quick(qwen2_path, chats, tmp_path / "r", iters=4, on_nan="skip"),
-                       echo=lines.append)  # fmt: skip
+    report = train_run(
+        quick(qwen2_path, chats, tmp_path / "r", iters=4, on_nan="skip"), echo=lines.append
+    )
     assert report["windows_skipped_non_finite"] == 1 and report["windows"] == 4
     assert any("window 2" in line and "skipped" in line for line in lines)
     weights = mx.load(str(tmp_path / "r" / "adapters.safetensors"))
@@ -434,8 +456,11 @@ def test_cuts_and_skips_are_announced_with_counts(qwen2_path, tmp_path):
 
 
 def test_a_window_that_cuts_every_label_away_says_so(qwen2_path, chats, tmp_path):
-    with pytest.raises(PlanError, match="every training example lost its labelled tokens when cut "
-                       "to the window of 16 tokens .*--fit middle"):  # fmt: skip
+    with pytest.raises(
+        PlanError,
+        match="every training example lost its labelled tokens when cut "
+        "to the window of 16 tokens .*--fit middle",
+    ):
         run.Run(quick(qwen2_path, chats, tmp_path / "r", window=16), echo=quiet)
 
 
@@ -448,9 +473,24 @@ def test_a_misspelt_role_is_refused_by_file_and_line(qwen2_path, tmp_path):
 
 
 def test_the_drop_in_announces_max_seq_length_cuts(qwen2_path, chats, tmp_path, capsys):
-    code, out, err = lora_main(capsys, "--model", qwen2_path, "--data", chats, "--train",
-                               "--iters", 1, "--max-seq-length", 32, "--chunk", 32,
-                               "--num-layers", 2, "--adapter-path", tmp_path / "ad")  # fmt: skip
+    code, out, err = lora_main(
+        capsys,
+        "--model",
+        qwen2_path,
+        "--data",
+        chats,
+        "--train",
+        "--iters",
+        1,
+        "--max-seq-length",
+        32,
+        "--chunk",
+        32,
+        "--num-layers",
+        2,
+        "--adapter-path",
+        tmp_path / "ad",
+    )
     assert code == 0, err
     assert "[WARNING] 4 of 4 training items are longer than max_seq_length (32)" in out
 
@@ -469,15 +509,17 @@ def test_the_drop_in_announces_max_seq_length_cuts(qwen2_path, chats, tmp_path, 
         (["train", "--lr", "nan"], "--lr must be a positive, finite number, got nan"),
         (["train", "--dropout", "1.5"], "--dropout must be in [0, 1), got 1.5"),
         (["train", "--num-layers", "0"], "--num-layers must be at least 1 (or -1 for all)"),
-        (["train", "--targets", "foo.bar", "--num-layers", "2"],
-         "--targets: 'foo.bar' is not a linear layer of the adapted layers"),
+        (
+            ["train", "--targets", "foo.bar", "--num-layers", "2"],
+            "--targets: 'foo.bar' is not a linear layer of the adapted layers",
+        ),
         (["train", "--resume", "--overwrite"], "give one"),
         (["train", "--on-nan", "ignore"], "--on-nan 'ignore' is unknown"),
         (["train", "--seed", "-1"], "--seed must be at least 0, got -1"),
         (["plan", "--window", "-256", "--chunk", "64"], "--window must be at least 1, got -256"),
         (["plan", "--window", "256", "--chunk", "0"], "--chunk must be at least 1, got 0"),
     ],
-)  # fmt: skip
+)
 def test_option_values_are_range_checked_by_flag(args, message, tmp_path, capsys):
     if args[0] == "train":
         args = [*args, "--no-progress", "--adapter-path", str(tmp_path / "r")]
@@ -496,8 +538,17 @@ def test_option_values_are_range_checked_by_flag(args, message, tmp_path, capsys
     ],
 )
 def test_drop_in_values_are_range_checked_by_flag(args, message, chats, tmp_path, capsys):
-    code, _, err = lora_main(capsys, "--model", "tiny-qwen2", "--train", "--data", chats,
-                             "--adapter-path", tmp_path / "ad", *args)  # fmt: skip
+    code, _, err = lora_main(
+        capsys,
+        "--model",
+        "tiny-qwen2",
+        "--train",
+        "--data",
+        chats,
+        "--adapter-path",
+        tmp_path / "ad",
+        *args,
+    )
     assert code == 2 and message in err, err
     assert not (tmp_path / "ad").exists()
 
@@ -516,9 +567,23 @@ def test_a_run_that_fails_before_its_first_checkpoint_leaves_no_folder(
 
 def test_a_failed_drop_in_run_leaves_no_adapter_config(qwen2_path, chats, tmp_path, capsys):
     """Every item's labels lie past max_seq_length: the run fails at its first iteration."""
-    code, _, err = lora_main(capsys, "--model", qwen2_path, "--data", chats, "--train", "--iters",
-                             2, "--max-seq-length", 4, "--mask-prompt", "--num-layers", 2,
-                             "--adapter-path", tmp_path / "ad")  # fmt: skip
+    code, _, err = lora_main(
+        capsys,
+        "--model",
+        qwen2_path,
+        "--data",
+        chats,
+        "--train",
+        "--iters",
+        2,
+        "--max-seq-length",
+        4,
+        "--mask-prompt",
+        "--num-layers",
+        2,
+        "--adapter-path",
+        tmp_path / "ad",
+    )
     assert code == 2 and "the batch has no labelled token within max_seq_length (4)" in err, err
     assert not (tmp_path / "ad" / "adapter_config.json").exists()
 
@@ -547,17 +612,34 @@ def progress_until(proc, text: str, limit: float = 180) -> list[str]:
 def test_ctrl_c_saves_the_windows_trained_and_says_how_to_resume(qwen2_path, tmp_path):
     d = rows(tmp_path / "d", "train.jsonl", [chat(i, 6) for i in range(8)])
     out = tmp_path / "r"
-    args = ["--model", qwen2_path, "--data", str(d), "--chunk", "64", "--epochs", "1",
-            "--adapter-path", str(out), "--val-split", "0"]  # fmt: skip
+    args = [
+        "--model",
+        qwen2_path,
+        "--data",
+        str(d),
+        "--chunk",
+        "64",
+        "--epochs",
+        "1",
+        "--adapter-path",
+        str(out),
+        "--val-split",
+        "0",
+    ]
 
     # A shell's background job inherits SIGINT ignored, and Python then keeps ignoring it: the
     # run gets the default (KeyboardInterrupt), as it has at a terminal.
     def interruptible():
         signal.signal(signal.SIGINT, signal.SIG_DFL)
 
-    proc = subprocess.Popen([sys.executable, "-m", "mlxwalk", "train", *args], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=interruptible)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlxwalk", "train", *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=interruptible,
+    )
     progress_until(proc, "window 2/8")
     proc.send_signal(signal.SIGINT)
     err = proc.communicate(timeout=120)[1]
@@ -567,8 +649,12 @@ def test_ctrl_c_saves_the_windows_trained_and_says_how_to_resume(qwen2_path, tmp
     assert "Traceback" not in err
     done = int(last.split("at window ")[1].split()[0])
     assert (out / "checkpoints" / f"window-{done:07d}").exists()
-    resumed = subprocess.run([sys.executable, "-m", "mlxwalk", "train", "--no-progress", *args,
-                              "--resume"], capture_output=True, text=True, cwd=ROOT)  # fmt: skip
+    resumed = subprocess.run(
+        [sys.executable, "-m", "mlxwalk", "train", "--no-progress", *args, "--resume"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert resumed.returncode == 0, resumed.stderr
     assert json.loads((out / "report.json").read_text())["windows"] == 8
 
@@ -577,25 +663,57 @@ def test_a_drop_in_run_killed_mid_training_leaves_a_loadable_adapter(qwen2_path,
     """The SIGKILL test, for python -m mlxwalk.lora: whatever moment the kill comes, the folder
     holds an adapter mlx-lm loads (with its config) and no temporary file; it resumes."""
     ad = tmp_path / "ad"
-    args = ["--model", qwen2_path, "--data", str(chats), "--train", "--chunk", "64",
-            "--num-layers", "2", "--save-every", "1", "--steps-per-eval", "1000"]  # fmt: skip
-    proc = subprocess.Popen([sys.executable, "-m", "mlxwalk.lora", *args, "--iters", "40",
-                             "--adapter-path", str(ad)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, cwd=ROOT)  # fmt: skip
+    args = [
+        "--model",
+        qwen2_path,
+        "--data",
+        str(chats),
+        "--train",
+        "--chunk",
+        "64",
+        "--num-layers",
+        "2",
+        "--save-every",
+        "1",
+        "--steps-per-eval",
+        "1000",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlxwalk.lora", *args, "--iters", "40", "--adapter-path", str(ad)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        cwd=ROOT,
+    )
     deadline = time.time() + 120
     while not (ad / "0000002_adapters.safetensors").exists():
         assert time.time() < deadline and proc.poll() is None, "no adapter appeared"
         time.sleep(0.02)
     proc.kill()
     proc.wait()
-    assert not [p for p in ad.iterdir() if p.name.startswith(".")]
+    # nothing half-written; the killed run's lock file may stay, no longer held by anyone
+    leftovers = [p.name for p in ad.iterdir() if p.name.startswith(".")]
+    assert leftovers in ([], [FolderLock.NAME]), leftovers
     model, _ = mlx_lm.load(qwen2_path, adapter_path=str(ad))
     assert model.layers[-1].self_attn.q_proj.lora_a.shape[-1] == 8
-    resumed = subprocess.run([sys.executable, "-m", "mlxwalk.lora", *args, "--iters", "1",
-                              "--adapter-path", str(ad), "--resume-adapter-file",
-                              str(ad / "adapters.safetensors")],
-                             capture_output=True, text=True, cwd=ROOT)  # fmt: skip
+    resumed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mlxwalk.lora",
+            *args,
+            "--iters",
+            "1",
+            "--adapter-path",
+            str(ad),
+            "--resume-adapter-file",
+            str(ad / "adapters.safetensors"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert resumed.returncode == 0, resumed.stderr
+    assert not [p for p in ad.iterdir() if p.name.startswith(".")]  # the stale lock taken, let go
 
 
 # --- optimization options of mlxwalk train -------------------------------------------------------
@@ -603,9 +721,21 @@ def test_a_drop_in_run_killed_mid_training_leaves_a_loadable_adapter(qwen2_path,
 
 def test_schedule_warmup_clipping_and_evals_between(qwen2_path, chats, tmp_path):
     lines = []
-    r = run.Run(quick(qwen2_path, chats, tmp_path / "r", epochs=2, lr_schedule="cosine_decay",
-                      warmup=2, grad_clip=0.5, optimizer="adamw", weight_decay=0.01,
-                      steps_per_eval=3), echo=lines.append)  # fmt: skip
+    r = run.Run(
+        quick(
+            qwen2_path,
+            chats,
+            tmp_path / "r",
+            epochs=2,
+            lr_schedule="cosine_decay",
+            warmup=2,
+            grad_clip=0.5,
+            optimizer="adamw",
+            weight_decay=0.01,
+            steps_per_eval=3,
+        ),
+        echo=lines.append,
+    )
     assert r.steps() == 8  # 4 windows, 2 epochs: the schedule decays over every step
     rates = [float(r.optimizer.learning_rate)]
     report = r.train()

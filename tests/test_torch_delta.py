@@ -22,10 +22,14 @@ def arrays(t=70, hk=2, hv=4, dk=32, dv=16, seed=0):
     def normal(*shape, scale=1.0):
         return (scale * rng.standard_normal(shape)).astype(np.float32)
 
-    return [normal(1, t, hk, dk, scale=0.3), normal(1, t, hk, dk, scale=0.3), normal(1, t, hv, dv),
-            -rng.uniform(0.01, 0.3, (1, t, hv)).astype(np.float32),
-            rng.uniform(0.1, 0.9, (1, t, hv)).astype(np.float32),
-            normal(1, hv, dv, dk, scale=0.5)]  # fmt: skip
+    return [
+        normal(1, t, hk, dk, scale=0.3),
+        normal(1, t, hk, dk, scale=0.3),
+        normal(1, t, hv, dv),
+        -rng.uniform(0.01, 0.3, (1, t, hv)).astype(np.float32),
+        rng.uniform(0.1, 0.9, (1, t, hv)).astype(np.float32),
+        normal(1, hv, dv, dk, scale=0.5),
+    ]
 
 
 def per_token(q, k, v, log_g, beta, state):
@@ -57,8 +61,10 @@ def rel(a, b):
 def test_matches_the_per_token_recurrence(chunk):
     xs = arrays()
     rng = np.random.default_rng(1)
-    cots = [rng.standard_normal((1, 70, 4, 16)).astype(np.float32),
-            rng.standard_normal((1, 4, 16, 32)).astype(np.float32)]  # fmt: skip
+    cots = [
+        rng.standard_normal((1, 70, 4, 16)).astype(np.float32),
+        rng.standard_normal((1, 4, 16, 32)).astype(np.float32),
+    ]
     got = grads(lambda *a: delta.gated_delta(*a, chunk=chunk), xs, cots)
     want = grads(per_token, xs, cots)
     for name, a, b in zip(["y", "state", "dq", "dk", "dv", "dlog_g", "dbeta", "dstate"], got, want):
@@ -69,13 +75,16 @@ def test_matches_the_mlx_op():
     """The same inputs through mlxwalk/ops/delta.py: one algorithm, two frameworks."""
     xs = arrays(t=90)
     rng = np.random.default_rng(2)
-    cots = [rng.standard_normal((1, 90, 4, 16)).astype(np.float32),
-            rng.standard_normal((1, 4, 16, 32)).astype(np.float32)]  # fmt: skip
+    cots = [
+        rng.standard_normal((1, 90, 4, 16)).astype(np.float32),
+        rng.standard_normal((1, 4, 16, 32)).astype(np.float32),
+    ]
     got = grads(lambda *a: delta.gated_delta(*a, chunk=32), xs, cots)
     mlx_delta.CHUNK = 32
     try:
-        (y, s), vjps = mx.vjp(mlx_delta.gated_delta, [mx.array(x) for x in xs],
-                              [mx.array(c) for c in cots])  # fmt: skip
+        (y, s), vjps = mx.vjp(
+            mlx_delta.gated_delta, [mx.array(x) for x in xs], [mx.array(c) for c in cots]
+        )
     finally:
         mlx_delta.CHUNK = None
     want = [np.array(y), np.array(s)] + [np.array(g) for g in vjps]

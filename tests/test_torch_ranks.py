@@ -21,16 +21,46 @@ from safetensors.numpy import load_file  # noqa: E402
 from .test_ranks import free_port, one  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-RUN = ["train", "--backend", "torch", "--model", "tiny-qwen2", "--iters", "4", "--epochs", "1",
-       "--chunk", "64", "--window", "256", "--no-progress", "--seed", "3"]  # fmt: skip
+RUN = [
+    "train",
+    "--backend",
+    "torch",
+    "--model",
+    "tiny-qwen2",
+    "--iters",
+    "4",
+    "--epochs",
+    "1",
+    "--chunk",
+    "64",
+    "--window",
+    "256",
+    "--no-progress",
+    "--seed",
+    "3",
+]
 
 
 def torchrun(ranks: int, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-           "--master-port", str(free_port()), str(ROOT / "tests" / "launched.py"),
-           *args]  # fmt: skip
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(ranks),
+        "--master-port",
+        str(free_port()),
+        str(ROOT / "tests" / "launched.py"),
+        *args,
+    ]
+    return subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+    )
 
 
 def adapter(folder: Path) -> np.ndarray:

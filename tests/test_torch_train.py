@@ -22,8 +22,21 @@ from mlxwalk import cli, tiny  # noqa: E402
 from mlxwalk.torch_backend import model as models  # noqa: E402
 from mlxwalk.training.convert import convert  # noqa: E402
 
-FLAGS = ["train", "--backend", "torch", "--model", "tiny-qwen2", "--chunk", "128",
-         "--window", "384", "--epochs", "2", "--lr", "1e-3"]  # fmt: skip
+FLAGS = [
+    "train",
+    "--backend",
+    "torch",
+    "--model",
+    "tiny-qwen2",
+    "--chunk",
+    "128",
+    "--window",
+    "384",
+    "--epochs",
+    "2",
+    "--lr",
+    "1e-3",
+]
 
 
 def train(path, *extra) -> int:
@@ -64,11 +77,14 @@ def test_a_resumed_run_ends_where_an_unbroken_run_ends(tmp_path):
     assert np.allclose(whole, broken, rtol=1e-5)
 
 
-@pytest.mark.parametrize("extra, says", [
-    (["--memory-budget-mib", "100"], "--memory-budget-mib counts CUDA memory"),
-    (["--cache-type", "q8"], "--cache-type q8"),
-    (["--model", "/nonexistent"], "/nonexistent: the torch backend loads a local transformers"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "extra, says",
+    [
+        (["--memory-budget-mib", "100"], "--memory-budget-mib counts CUDA memory"),
+        (["--cache-type", "q8"], "--cache-type q8"),
+        (["--model", "/nonexistent"], "/nonexistent: the torch backend loads a local transformers"),
+    ],
+)
 def test_refusals_are_one_line_and_write_nothing(tmp_path, capsys, extra, says):
     assert train(tmp_path / "run", *extra) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -77,8 +93,19 @@ def test_refusals_are_one_line_and_write_nothing(tmp_path, capsys, extra, says):
 
 
 def test_plan_for_the_torch_backend(capsys):
-    args = ["plan", "--backend", "torch", "--model", "tiny-qwen3_5", "--window", "4096",
-            "--chunk", "1024", "--cache-type", "bfloat16"]  # fmt: skip
+    args = [
+        "plan",
+        "--backend",
+        "torch",
+        "--model",
+        "tiny-qwen3_5",
+        "--window",
+        "4096",
+        "--chunk",
+        "1024",
+        "--cache-type",
+        "bfloat16",
+    ]
     assert cli.main(args) == 0
     out = capsys.readouterr().out
     # 2 attention layers x 2 x 2 kv heads x 64 = 512 K/V elements a position

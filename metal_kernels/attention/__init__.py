@@ -96,12 +96,16 @@ def _metal(kind: str, dtype: mx.Dtype, dim: int, rows: int, heads: int) -> dict:
     template = [(names[0], g.rows), (names[1], g.walk), ("PAD", g.pad)]
     if kind == "dkdv":
         template.append(("SPLIT", g.split))
-    return {"grid": (groups * g.threads, 1, 1), "threadgroup": (g.threads, 1, 1),
-            "template": template}  # fmt: skip
+    return {
+        "grid": (groups * g.threads, 1, 1),
+        "threadgroup": (g.threads, 1, 1),
+        "template": template,
+    }
 
 
-def forward_launch(q, k, v, pk, pv, start: int, scale: float, tc: bool = False,
-                   backend: str | None = None) -> Launch:  # fmt: skip
+def forward_launch(
+    q, k, v, pk, pv, start: int, scale: float, tc: bool = False, backend: str | None = None
+) -> Launch:
     """`backend`: the geometry's (default: MLX's; see `_cuda`)."""
     inputs, extra, template, _ = _common(q, k, v, pk, pv, start, start, scale)
     b, hq, n, dim = q.shape
@@ -109,15 +113,29 @@ def forward_launch(q, k, v, pk, pv, start: int, scale: float, tc: bool = False,
     if tc:
         return tc_launches.forward_launch(q, k, v, pk, pv, start, scale)
     if _cuda(backend):
-        return Launch(FORWARD, inputs + extra, shapes, dtypes,
-                      template=template + [("ROWS", ROWS)], **_grid(b * hq * n))  # fmt: skip
+        return Launch(
+            FORWARD,
+            inputs + extra,
+            shapes,
+            dtypes,
+            template=template + [("ROWS", ROWS)],
+            **_grid(b * hq * n),
+        )
     g = _metal("forward", q.dtype, dim, n, b * hq)
-    return Launch(FORWARD, inputs + extra, shapes, dtypes, g["grid"], g["threadgroup"],
-                  template + g["template"])  # fmt: skip
+    return Launch(
+        FORWARD,
+        inputs + extra,
+        shapes,
+        dtypes,
+        g["grid"],
+        g["threadgroup"],
+        template + g["template"],
+    )
 
 
-def backward_launches(q, k, v, pk, pv, start, grad_from, scale, lse, delta, d_out, tc=False,
-                      backend=None):  # fmt: skip
+def backward_launches(
+    q, k, v, pk, pv, start, grad_from, scale, lse, delta, d_out, tc=False, backend=None
+):
     """(dq's launch, dkdv's launch); dkdv's rows are the taps [grad_from, start) then the own
     (the tensor-core kernel's padded to whole blocks). `backend` as forward_launch's."""
     inputs, extra, template, taps = _common(q, k, v, pk, pv, start, grad_from, scale)
@@ -125,37 +143,64 @@ def backward_launches(q, k, v, pk, pv, start, grad_from, scale, lse, delta, d_ou
     b, hq, n, dim = q.shape
     hkv = k.shape[1]
     if tc:
-        return tc_launches.backward_launches(q, k, v, pk, pv, start, grad_from, scale, lse,
-                                             delta, d_out)  # fmt: skip
+        return tc_launches.backward_launches(
+            q, k, v, pk, pv, start, grad_from, scale, lse, delta, d_out
+        )
     rows = (b, hkv, taps + n, dim)
     if _cuda(backend):
         scalar = template + [("ROWS", ROWS)]
         dq = Launch(DQ, inputs, [q.shape], [mx.float32], template=scalar, **_grid(b * hq * n))
-        dkdv = Launch(DKDV, inputs, [rows, rows], [mx.float32] * 2, template=scalar,
-                      **_grid(b * hkv * (taps + n)))  # fmt: skip
+        dkdv = Launch(
+            DKDV,
+            inputs,
+            [rows, rows],
+            [mx.float32] * 2,
+            template=scalar,
+            **_grid(b * hkv * (taps + n)),
+        )
         return dq, dkdv
     g = _metal("dq", q.dtype, dim, n, b * hq)
-    dq = Launch(DQ, inputs, [q.shape], [mx.float32], g["grid"], g["threadgroup"],
-                template + g["template"])  # fmt: skip
+    dq = Launch(
+        DQ, inputs, [q.shape], [mx.float32], g["grid"], g["threadgroup"], template + g["template"]
+    )
     g = _metal("dkdv", q.dtype, dim, taps + n, b * hkv)
-    dkdv = Launch(DKDV, inputs, [rows, rows], [mx.float32] * 2, g["grid"], g["threadgroup"],
-                  template + g["template"])  # fmt: skip
+    dkdv = Launch(
+        DKDV,
+        inputs,
+        [rows, rows],
+        [mx.float32] * 2,
+        g["grid"],
+        g["threadgroup"],
+        template + g["template"],
+    )
     return dq, dkdv
 
 
-def forward(q, k, v, pk, pv, start: int, scale: float, run: Runner = launch, tc: bool = False,
-            backend: str | None = None):  # fmt: skip
+def forward(
+    q,
+    k,
+    v,
+    pk,
+    pv,
+    start: int,
+    scale: float,
+    run: Runner = launch,
+    tc: bool = False,
+    backend: str | None = None,
+):
     """(o, lse), both float32: o (B, HQ, L, D), lse (B, HQ, L). `run` launches a call (on the
     GPU by default; the CPU harness in tests); `tc`: the tensor-core variant."""
     return run(forward_launch(q, k, v, pk, pv, start, scale, tc, backend))
 
 
-def backward(q, k, v, pk, pv, start, grad_from, scale, o, lse, d_out, run=launch, tc=False,
-             backend=None):  # fmt: skip
+def backward(
+    q, k, v, pk, pv, start, grad_from, scale, o, lse, d_out, run=launch, tc=False, backend=None
+):
     """(dq, dk, dv) in float32; dk and dv (B, HKV, start - grad_from + L, D), taps first."""
     delta = (d_out.astype(mx.float32) * o.astype(mx.float32)).sum(axis=-1)  # (B, HQ, L)
-    calls = backward_launches(q, k, v, pk, pv, start, grad_from, scale, lse, delta, d_out, tc,
-                              backend)  # fmt: skip
+    calls = backward_launches(
+        q, k, v, pk, pv, start, grad_from, scale, lse, delta, d_out, tc, backend
+    )
     rows = (start - grad_from if pk is not None else 0) + q.shape[2]  # past them: padding
     dk, dv = run(calls[1])
     return run(calls[0])[0], dk[:, :, :rows], dv[:, :, :rows]

@@ -52,41 +52,103 @@ def _m(rows: int, walk: int, pad: int, why: str, split: int = 1) -> MetalBlocks:
 
 # (kernel, head dim, "half" | "float") -> shape. The bytes in each reason are threadgroup memory.
 METAL: dict[tuple[str, int, str], MetalBlocks] = {
-    ("forward", 64, "half"): _m(64, 32, 8, "Q 64 + K, V 32 rows of 144 B: 18 KiB; 64 query rows "
-                                "read K/V half as often as 32 (8 simdgroups, O 16 floats a lane)"),
-    ("forward", 128, "half"): _m(64, 16, 8, "Q 64 + K, V 16 rows of 272 B: 25.5 KiB; 64 rows keep "
-                                 "K/V reads at L/64 (O 32 floats a lane), 16 keys a step to fit"),
-    ("forward", 256, "half"): _m(32, 8, 8, "Q 32 + K, V 8 rows of 528 B: 24.8 KiB; O is 64 floats "
-                                 "a lane at 256, so 4 simdgroups as MLX's steel_attention"),
-    ("forward", 64, "float"): _m(64, 16, 4, "Q 64 + K, V 16 rows of 272 B: 25.5 KiB; rows as the "
-                                 "half shape, half the keys a step for 4-byte rows"),
-    ("forward", 128, "float"): _m(32, 8, 4, "Q 32 + K, V 8 rows of 528 B: 24.8 KiB; a 64-row Q "
-                                  "alone would take 33 KiB"),
-    ("forward", 256, "float"): _m(8, 8, 4, "Q 8 + K, V 8 rows of 1,040 B: 24.4 KiB; 16 query "
-                                  "rows would need 33 KiB, so one simdgroup"),
-    ("dq", 64, "half"): _m(64, 32, 8, "Q, dO 64 + K, V 32 rows of 144 B: 27 KiB; K/V read L/64 "
-                           "times (dQ 16 floats a lane)"),
-    ("dq", 128, "half"): _m(32, 16, 8, "Q, dO 32 + K, V 16 rows of 272 B: 25.5 KiB; Q and dO "
-                            "both staged double the query side against the forward"),
-    ("dq", 256, "half"): _m(16, 8, 8, "Q, dO 16 + K, V 8 rows of 528 B: 24.8 KiB; "
-                            "metal-flash-attention's 16 rows at 256 (dQ 64 floats a lane)"),
+    ("forward", 64, "half"): _m(
+        64,
+        32,
+        8,
+        "Q 64 + K, V 32 rows of 144 B: 18 KiB; 64 query rows "
+        "read K/V half as often as 32 (8 simdgroups, O 16 floats a lane)",
+    ),
+    ("forward", 128, "half"): _m(
+        64,
+        16,
+        8,
+        "Q 64 + K, V 16 rows of 272 B: 25.5 KiB; 64 rows keep "
+        "K/V reads at L/64 (O 32 floats a lane), 16 keys a step to fit",
+    ),
+    ("forward", 256, "half"): _m(
+        32,
+        8,
+        8,
+        "Q 32 + K, V 8 rows of 528 B: 24.8 KiB; O is 64 floats "
+        "a lane at 256, so 4 simdgroups as MLX's steel_attention",
+    ),
+    ("forward", 64, "float"): _m(
+        64,
+        16,
+        4,
+        "Q 64 + K, V 16 rows of 272 B: 25.5 KiB; rows as the "
+        "half shape, half the keys a step for 4-byte rows",
+    ),
+    ("forward", 128, "float"): _m(
+        32, 8, 4, "Q 32 + K, V 8 rows of 528 B: 24.8 KiB; a 64-row Q alone would take 33 KiB"
+    ),
+    ("forward", 256, "float"): _m(
+        8,
+        8,
+        4,
+        "Q 8 + K, V 8 rows of 1,040 B: 24.4 KiB; 16 query rows would need 33 KiB, so one simdgroup",
+    ),
+    ("dq", 64, "half"): _m(
+        64,
+        32,
+        8,
+        "Q, dO 64 + K, V 32 rows of 144 B: 27 KiB; K/V read L/64 times (dQ 16 floats a lane)",
+    ),
+    ("dq", 128, "half"): _m(
+        32,
+        16,
+        8,
+        "Q, dO 32 + K, V 16 rows of 272 B: 25.5 KiB; Q and dO "
+        "both staged double the query side against the forward",
+    ),
+    ("dq", 256, "half"): _m(
+        16,
+        8,
+        8,
+        "Q, dO 16 + K, V 8 rows of 528 B: 24.8 KiB; "
+        "metal-flash-attention's 16 rows at 256 (dQ 64 floats a lane)",
+    ),
     ("dq", 64, "float"): _m(32, 16, 4, "Q, dO 32 + K, V 16 rows of 272 B: 25.5 KiB"),
     ("dq", 128, "float"): _m(16, 8, 4, "Q, dO 16 + K, V 8 rows of 528 B: 24.8 KiB"),
-    ("dq", 256, "float"): _m(8, 8, 0, "Q, dO, K, V 8 rows each of 1 KiB fill 32 KiB exactly: "
-                             "no room for padding (float32 at 256 only)"),
-    ("dkdv", 64, "half"): _m(32, 32, 8, "K, V, dK, dV in registers (64 floats a lane); Q, dO 32 "
-                             "rows of 144 B + lse, delta: 9.3 KiB; Q/dO read keys/32 times"),
-    ("dkdv", 128, "half"): _m(32, 16, 8, "2 simdgroups per 8 keys (64 dims each); Q, dO 16 rows "
-                              "of 272 B + partial scores 8 KiB: 16.6 KiB", split=2),
-    ("dkdv", 256, "half"): _m(16, 16, 8, "4 simdgroups per 8 keys; Q, dO 16 rows of 528 B + "
-                              "partial scores 8 KiB: 24.6 KiB; 32 keys would need 16 simdgroups",
-                              split=4),
+    ("dq", 256, "float"): _m(
+        8,
+        8,
+        0,
+        "Q, dO, K, V 8 rows each of 1 KiB fill 32 KiB exactly: "
+        "no room for padding (float32 at 256 only)",
+    ),
+    ("dkdv", 64, "half"): _m(
+        32,
+        32,
+        8,
+        "K, V, dK, dV in registers (64 floats a lane); Q, dO 32 "
+        "rows of 144 B + lse, delta: 9.3 KiB; Q/dO read keys/32 times",
+    ),
+    ("dkdv", 128, "half"): _m(
+        32,
+        16,
+        8,
+        "2 simdgroups per 8 keys (64 dims each); Q, dO 16 rows "
+        "of 272 B + partial scores 8 KiB: 16.6 KiB",
+        split=2,
+    ),
+    ("dkdv", 256, "half"): _m(
+        16,
+        16,
+        8,
+        "4 simdgroups per 8 keys; Q, dO 16 rows of 528 B + "
+        "partial scores 8 KiB: 24.6 KiB; 32 keys would need 16 simdgroups",
+        split=4,
+    ),
     ("dkdv", 64, "float"): _m(32, 32, 4, "Q, dO 32 rows of 272 B + lse, delta: 17.3 KiB"),
-    ("dkdv", 128, "float"): _m(32, 16, 4, "Q, dO 16 rows of 528 B + partial scores 8 KiB: "
-                               "24.6 KiB", split=2),
-    ("dkdv", 256, "float"): _m(16, 8, 4, "Q, dO 8 rows of 1,040 B + partial scores 4 KiB: "
-                               "20.3 KiB", split=4),
-}  # fmt: skip
+    ("dkdv", 128, "float"): _m(
+        32, 16, 4, "Q, dO 16 rows of 528 B + partial scores 8 KiB: 24.6 KiB", split=2
+    ),
+    ("dkdv", 256, "float"): _m(
+        16, 8, 4, "Q, dO 8 rows of 1,040 B + partial scores 4 KiB: 20.3 KiB", split=4
+    ),
+}
 
 METAL_DIMS = tuple(sorted({dim for _, dim, _ in METAL}))
 
@@ -154,41 +216,96 @@ def _c(warps: int, mt: int, walk: int, regs: bool, why: str, split: int = 1) -> 
 # mt * C / 2 a lane (O 32 rows x 128 columns: 128). ptxas figures (sm_90, no spills) are in
 # scripts/compile-cuda.py --ptxas.
 CUDA: dict[tuple[str, int], CudaBlocks] = {
-    ("forward", 64): _c(4, 2, 64, True, "128 query rows, 32 a warp: a K/V fragment read from "
-                        "shared memory feeds 2 m-tiles (half the ldmatrix traffic of 16 rows), "
-                        "and K/V are read from L2 once per 128 queries; O 64 + S 64 + Q 32 "
-                        "registers, so Q stays in registers; Q 18 + K/V 2 x 18 KiB = 54 KiB; "
-                        "~250 registers: 2 blocks an SM (FlashAttention-2: 128 x 128)"),
-    ("forward", 128): _c(4, 2, 32, False, "128 query rows, 32 a warp, as at 64; O 128 + S 32 "
-                         "registers (a 64-key tile, S 64, spilled: 255 registers and 88 bytes), "
-                         "Q read from shared memory each k-step; Q 34 + K/V 2 x 17 KiB = 68 KiB: "
-                         "2 blocks an SM"),
-    ("forward", 256): _c(8, 1, 64, False, "128 query rows, 16 a warp (O alone is 128 "
-                         "registers): 8 warps, so K/V stream from L2 once per 128 queries (64 "
-                         "rows would read 60 GB a call at the benchmark shape); 64-key tiles (S "
-                         "32 registers) halve the per-tile barrier and softmax work of 32; Q 66 "
-                         "+ K/V 2 x 66 KiB = 198 KiB: one block of 8 warps an SM"),
-    ("dq", 64): _c(4, 2, 32, False, "128 query rows, 32 a warp; dQ 64 + S 32 + dP 32 registers "
-                   "a tile of 32 keys (64 keys spilled); Q, dO 36 + K/V 2 x 9 KiB = 54 KiB; "
-                   "~230 registers: 2 blocks an SM"),
-    ("dq", 128): _c(8, 1, 64, False, "128 query rows, 16 a warp: dQ 64 + S 32 + dP 32 "
-                    "registers (32 rows a warp: dQ 128, spilled); Q, dO 68 + K/V 2 x 34 KiB = "
-                    "136 KiB: one block of 8 warps an SM"),
-    ("dq", 256): _c(8, 1, 32, False, "128 query rows, 16 a warp: dQ alone is 128 registers; "
-                    "Q, dO 132 + K/V 2 x 33 KiB = 198 KiB: one block of 8 warps an SM"),
-    ("dkdv", 64): _c(8, 1, 64, True, "128 key rows, 16 a warp, so Q/dO stream from L2 once per "
-                     "128 keys; dK, dV 32 + S^T, dP^T 32 + K, V 16 registers each (K, V kept "
-                     "in registers); K, V 36 + Q/dO 2 x 18 KiB + lse, delta = 73 KiB; one block of "
-                     "8 warps an SM (~235 registers)"),
-    ("dkdv", 128): _c(8, 1, 32, False, "128 key rows, 16 a warp; dK, dV 64 + S^T, dP^T 16 "
-                      "registers each, a tile of 32 queries (64 queries spilled); K, V 68 + "
-                      "Q/dO 2 x 17 KiB = 102 KiB; one block of 8 warps an SM (~245 registers)"),
-    ("dkdv", 256): _c(8, 1, 64, False, "64 key rows, 2 warps on each 16 (split: one warp cannot "
-                      "hold dK and dV for 256 columns, 256 registers; paired, each holds 128 "
-                      "columns, 2 x 64, and scores 32 of the tile's 64 queries over all 256 "
-                      "dims); K, V 66 + Q/dO 2 x 66 + swap 16 KiB = 215 KiB: one block of 8 "
-                      "warps an SM", split=2),
-}  # fmt: skip
+    ("forward", 64): _c(
+        4,
+        2,
+        64,
+        True,
+        "128 query rows, 32 a warp: a K/V fragment read from "
+        "shared memory feeds 2 m-tiles (half the ldmatrix traffic of 16 rows), "
+        "and K/V are read from L2 once per 128 queries; O 64 + S 64 + Q 32 "
+        "registers, so Q stays in registers; Q 18 + K/V 2 x 18 KiB = 54 KiB; "
+        "~250 registers: 2 blocks an SM (FlashAttention-2: 128 x 128)",
+    ),
+    ("forward", 128): _c(
+        4,
+        2,
+        32,
+        False,
+        "128 query rows, 32 a warp, as at 64; O 128 + S 32 "
+        "registers (a 64-key tile, S 64, spilled: 255 registers and 88 bytes), "
+        "Q read from shared memory each k-step; Q 34 + K/V 2 x 17 KiB = 68 KiB: "
+        "2 blocks an SM",
+    ),
+    ("forward", 256): _c(
+        8,
+        1,
+        64,
+        False,
+        "128 query rows, 16 a warp (O alone is 128 "
+        "registers): 8 warps, so K/V stream from L2 once per 128 queries (64 "
+        "rows would read 60 GB a call at the benchmark shape); 64-key tiles (S "
+        "32 registers) halve the per-tile barrier and softmax work of 32; Q 66 "
+        "+ K/V 2 x 66 KiB = 198 KiB: one block of 8 warps an SM",
+    ),
+    ("dq", 64): _c(
+        4,
+        2,
+        32,
+        False,
+        "128 query rows, 32 a warp; dQ 64 + S 32 + dP 32 registers "
+        "a tile of 32 keys (64 keys spilled); Q, dO 36 + K/V 2 x 9 KiB = 54 KiB; "
+        "~230 registers: 2 blocks an SM",
+    ),
+    ("dq", 128): _c(
+        8,
+        1,
+        64,
+        False,
+        "128 query rows, 16 a warp: dQ 64 + S 32 + dP 32 "
+        "registers (32 rows a warp: dQ 128, spilled); Q, dO 68 + K/V 2 x 34 KiB = "
+        "136 KiB: one block of 8 warps an SM",
+    ),
+    ("dq", 256): _c(
+        8,
+        1,
+        32,
+        False,
+        "128 query rows, 16 a warp: dQ alone is 128 registers; "
+        "Q, dO 132 + K/V 2 x 33 KiB = 198 KiB: one block of 8 warps an SM",
+    ),
+    ("dkdv", 64): _c(
+        8,
+        1,
+        64,
+        True,
+        "128 key rows, 16 a warp, so Q/dO stream from L2 once per "
+        "128 keys; dK, dV 32 + S^T, dP^T 32 + K, V 16 registers each (K, V kept "
+        "in registers); K, V 36 + Q/dO 2 x 18 KiB + lse, delta = 73 KiB; one block of "
+        "8 warps an SM (~235 registers)",
+    ),
+    ("dkdv", 128): _c(
+        8,
+        1,
+        32,
+        False,
+        "128 key rows, 16 a warp; dK, dV 64 + S^T, dP^T 16 "
+        "registers each, a tile of 32 queries (64 queries spilled); K, V 68 + "
+        "Q/dO 2 x 17 KiB = 102 KiB; one block of 8 warps an SM (~245 registers)",
+    ),
+    ("dkdv", 256): _c(
+        8,
+        1,
+        64,
+        False,
+        "64 key rows, 2 warps on each 16 (split: one warp cannot "
+        "hold dK and dV for 256 columns, 256 registers; paired, each holds 128 "
+        "columns, 2 x 64, and scores 32 of the tile's 64 queries over all 256 "
+        "dims); K, V 66 + Q/dO 2 x 66 + swap 16 KiB = 215 KiB: one block of 8 "
+        "warps an SM",
+        split=2,
+    ),
+}
 
 CUDA_DIMS = tuple(sorted({dim for _, dim in CUDA}))
 

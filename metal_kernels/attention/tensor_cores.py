@@ -63,20 +63,30 @@ def _launch(spec, kernel, inputs, shapes, rows, heads, dim, template, override) 
     smem = tables.cuda_shared_bytes(kernel, dim, b)
     if smem > SHARED_MEMORY:
         raise ValueError(f"{kernel} at head dim {dim}: {smem} bytes of shared memory for {b}")
-    return Launch(spec, inputs, shapes, [mx.float32] * len(shapes), (blocks * b.threads, 1, 1),
-                  (b.threads, 1, 1), template + extra, smem)  # fmt: skip
+    return Launch(
+        spec,
+        inputs,
+        shapes,
+        [mx.float32] * len(shapes),
+        (blocks * b.threads, 1, 1),
+        (b.threads, 1, 1),
+        template + extra,
+        smem,
+    )
 
 
 def forward_launch(q, k, v, pk, pv, start: int, scale: float, blocks=None) -> Launch:
     """The forward: o (B, HQ, L, D) and lse (B, HQ, L), float32."""
     inputs, extra, template, _ = _common(q, k, v, pk, pv, start, start, scale)
     b, hq, n, dim = q.shape
-    return _launch(FORWARD, "forward", inputs + extra, [q.shape, (b, hq, n)], n, b * hq, dim,
-                   template, blocks)  # fmt: skip
+    return _launch(
+        FORWARD, "forward", inputs + extra, [q.shape, (b, hq, n)], n, b * hq, dim, template, blocks
+    )
 
 
-def backward_launches(q, k, v, pk, pv, start, grad_from, scale, lse, delta, d_out,
-                      blocks=None) -> tuple[Launch, Launch]:  # fmt: skip
+def backward_launches(
+    q, k, v, pk, pv, start, grad_from, scale, lse, delta, d_out, blocks=None
+) -> tuple[Launch, Launch]:
     """(dq's launch, dkdv's launch): dq (B, HQ, L, D); dk, dv (B, HKV, taps + L, D), the taps
     [grad_from, start) first. `blocks`: {"dq": CudaBlocks, "dkdv": CudaBlocks} to override."""
     inputs, extra, template, taps = _common(q, k, v, pk, pv, start, grad_from, scale)
@@ -86,6 +96,7 @@ def backward_launches(q, k, v, pk, pv, start, grad_from, scale, lse, delta, d_ou
     blocks = blocks or {}
     dq = _launch(DQ, "dq", inputs, [q.shape], n, b * hq, dim, template, blocks.get("dq"))
     rows = (b, hkv, taps + n, dim)
-    dkdv = _launch(DKDV, "dkdv", inputs, [rows, rows], taps + n, b * hkv, dim, template,
-                   blocks.get("dkdv"))  # fmt: skip
+    dkdv = _launch(
+        DKDV, "dkdv", inputs, [rows, rows], taps + n, b * hkv, dim, template, blocks.get("dkdv")
+    )
     return dq, dkdv

@@ -83,8 +83,14 @@ def _query_side(kernel, s, g, t, st, d) -> Traffic:
                 mma += (2 if kernel == "forward" else 3) * (d // 8) * tiles
     writes = s.chunk * d * 4 + (s.chunk * 4 if kernel == "forward" else 0)
     bound = _ceil(s.chunk, g.rows) * 2 * d * (s.start * st + s.chunk * t)
-    return Traffic((reads + kv) * heads, writes * heads, mma * heads, barriers * heads,
-                   kv * heads, bound * heads)  # fmt: skip
+    return Traffic(
+        (reads + kv) * heads,
+        writes * heads,
+        mma * heads,
+        barriers * heads,
+        kv * heads,
+        bound * heads,
+    )
 
 
 def _key_side(s, g, t, st, d) -> Traffic:
@@ -109,5 +115,11 @@ def _key_side(s, g, t, st, d) -> Traffic:
     heads = s.batch * s.kv_heads
     writes = 2 * keys * d * 4
     bound = r * _ceil(keys, g.rows) * s.chunk * (2 * d * t + 2 * 4)
-    return Traffic((reads + walked) * heads, writes * heads, mma * heads, barriers * heads,
-                   walked * heads, bound * heads)  # fmt: skip
+    return Traffic(
+        (reads + walked) * heads,
+        writes * heads,
+        mma * heads,
+        barriers * heads,
+        walked * heads,
+        bound * heads,
+    )

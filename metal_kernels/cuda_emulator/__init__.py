@@ -25,8 +25,9 @@ from .. import cuda_source
 from ..build import Launch, source
 
 HEADER = Path(__file__).resolve().parent / "emulate.h"
-CACHE = Path(os.environ.get("MLXWALK_EMULATOR_CACHE",
-                            Path(tempfile.gettempdir()) / "mlxwalk-cuda-emulator"))  # fmt: skip
+CACHE = Path(
+    os.environ.get("MLXWALK_EMULATOR_CACHE", Path(tempfile.gettempdir()) / "mlxwalk-cuda-emulator")
+)
 
 
 def _unit(call: Launch) -> str:
@@ -35,8 +36,9 @@ def _unit(call: Launch) -> str:
     n = len(call.spec.inputs) + len(call.spec.outputs)
     types = [cuda_source._TYPES[a.dtype] for a in call.inputs]
     types += [cuda_source._TYPES[d] for d in call.output_dtypes]
-    args = [f"({'const ' if i < len(call.inputs) else ''}{t}*)buf[{i}]"
-            for i, t in enumerate(types)]  # fmt: skip
+    args = [
+        f"({'const ' if i < len(call.inputs) else ''}{t}*)buf[{i}]" for i, t in enumerate(types)
+    ]
     return (
         f'#include "{HEADER}"\n{head}\n{kernel}\n'
         f"static void* buf[{n}];\n"
@@ -55,8 +57,16 @@ def compile_call(call: Launch) -> Path:
         src = exe.with_suffix(".cpp")
         src.write_text(unit)
         tmp = exe.with_suffix(f".{os.getpid()}.tmp")
-        cmd = ["g++", "-std=c++17", "-O1", "-fno-strict-aliasing", "-Wno-attributes", "-o",
-               str(tmp), str(src)]  # fmt: skip
+        cmd = [
+            "g++",
+            "-std=c++17",
+            "-O1",
+            "-fno-strict-aliasing",
+            "-Wno-attributes",
+            "-o",
+            str(tmp),
+            str(src),
+        ]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(f"{call.spec.name}: g++ failed:\n{done.stderr[-4000:]}")
@@ -92,9 +102,18 @@ def run(call: Launch, processes: int = 2, seed: int = 0) -> list[np.ndarray]:
             for i, a in enumerate(arrays):
                 (d / f"b{i}.bin").write_bytes(a.tobytes())
             lo, hi = blocks * p // processes, blocks * (p + 1) // processes
-            argv = [str(exe), str(d), str(hi - lo), "1", "1", *map(str, call.threadgroup),
-                    str(call.shared_memory), str(seed + p), str(len(inputs)),
-                    *[str(a.nbytes) for a in arrays]]  # fmt: skip
+            argv = [
+                str(exe),
+                str(d),
+                str(hi - lo),
+                "1",
+                "1",
+                *map(str, call.threadgroup),
+                str(call.shared_memory),
+                str(seed + p),
+                str(len(inputs)),
+                *[str(a.nbytes) for a in arrays],
+            ]
             env = dict(os.environ, MLXWALK_EMULATOR_FIRST_BLOCK=str(lo))
             jobs.append(subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True))
         for job in jobs:

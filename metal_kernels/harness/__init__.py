@@ -30,9 +30,16 @@ CACHE = Path(
     os.environ.get("MLXWALK_HARNESS_CACHE", Path(tempfile.gettempdir()) / "mlxwalk-harness")
 )
 # What `run(call, counters=True)` returns, in runtime.h's order (enum Count).
-COUNTERS = ("device_read_bytes", "device_write_bytes", "threadgroup_read_bytes",
-            "threadgroup_write_bytes", "mma", "barriers", "simdgroup_barriers",
-            "threadgroup_memory_bytes")  # fmt: skip
+COUNTERS = (
+    "device_read_bytes",
+    "device_write_bytes",
+    "threadgroup_read_bytes",
+    "threadgroup_write_bytes",
+    "mma",
+    "barriers",
+    "simdgroup_barriers",
+    "threadgroup_memory_bytes",
+)
 THREADGROUP_MEMORY = 32768  # bytes of threadgroup memory a threadgroup has on Apple GPUs
 NO_CLANG = "libclang is not installed: pip install -e '.[test]'"
 
@@ -53,9 +60,15 @@ def render(call: Launch) -> str:
     k = kernel(call.spec, "metal")  # (the CUDA-only tensor-core kernels have no Metal body)
 
     def fn(*inputs):
-        return k(inputs=list(inputs), template=call.template, grid=call.grid,
-                 threadgroup=call.threadgroup, output_shapes=call.output_shapes,
-                 output_dtypes=call.output_dtypes, verbose=True)  # fmt: skip
+        return k(
+            inputs=list(inputs),
+            template=call.template,
+            grid=call.grid,
+            threadgroup=call.threadgroup,
+            output_shapes=call.output_shapes,
+            output_dtypes=call.output_dtypes,
+            verbose=True,
+        )
 
     with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryFile("w+") as out:
         saved = os.dup(1)
@@ -163,8 +176,17 @@ def check_address_spaces(call: Launch, source: str | None = None) -> None:
         f"auto harness_instance = &{fn}{f'<{targs}>' if targs else ''};\n"
     )
     path = f"{call.spec.name}.cpp"
-    flags = ["-x", "c++", "-std=c++17", "-nostdinc", "-nostdinc++", "--target=x86_64-linux-gnu",
-             "-Wno-unknown-attributes", "-Wno-ignored-attributes", "-ferror-limit=10"]  # fmt: skip
+    flags = [
+        "-x",
+        "c++",
+        "-std=c++17",
+        "-nostdinc",
+        "-nostdinc++",
+        "--target=x86_64-linux-gnu",
+        "-Wno-unknown-attributes",
+        "-Wno-ignored-attributes",
+        "-ferror-limit=10",
+    ]
     tu = cindex.Index.create().parse(path, args=flags, unsaved_files=[(path, unit)])
     errors = [d for d in tu.diagnostics if d.severity >= cindex.Diagnostic.Error]
     if errors:

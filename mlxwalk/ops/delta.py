@@ -215,9 +215,19 @@ def gated_delta_update(
     """Drop-in for mlx-lm's `gated_delta_update` that trains through `gated_delta`."""
     if mask is not None or lower_bound is not None:
         return _mlx_lm_update(
-            q, k, v, a, b, A_log, dt_bias, state, mask,
-            use_kernel=use_kernel, lower_bound=lower_bound, allow_neg_eigval=allow_neg_eigval,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            a,
+            b,
+            A_log,
+            dt_bias,
+            state,
+            mask,
+            use_kernel=use_kernel,
+            lower_bound=lower_bound,
+            allow_neg_eigval=allow_neg_eigval,
+        )
     beta = mx.sigmoid(b)
     if allow_neg_eigval:
         beta = beta * 2.0
@@ -266,12 +276,14 @@ def _layer(case: routing.Case, t: int):
     def normal(*shape, scale=1.0):
         return mx.array((scale * rng.standard_normal(shape)).astype(np.float32))
 
-    x = [normal(1, t, hk, case.dim, scale=0.3).astype(case.dtype),
-         normal(1, t, hk, case.dim, scale=0.3).astype(case.dtype),
-         normal(1, t, hv, case.groups).astype(case.dtype),
-         -mx.array(rng.uniform(0.01, 0.3, (1, t, hv)).astype(np.float32)),
-         mx.array(rng.uniform(0.1, 0.9, (1, t, hv)).astype(np.float32)),
-         normal(1, hv, case.groups, case.dim, scale=0.5)]  # fmt: skip
+    x = [
+        normal(1, t, hk, case.dim, scale=0.3).astype(case.dtype),
+        normal(1, t, hk, case.dim, scale=0.3).astype(case.dtype),
+        normal(1, t, hv, case.groups).astype(case.dtype),
+        -mx.array(rng.uniform(0.01, 0.3, (1, t, hv)).astype(np.float32)),
+        mx.array(rng.uniform(0.1, 0.9, (1, t, hv)).astype(np.float32)),
+        normal(1, hv, case.groups, case.dim, scale=0.5),
+    ]
     cots = [normal(1, t, hv, case.groups).astype(case.dtype), normal(1, hv, case.groups, case.dim)]
     return x, cots
 
@@ -287,8 +299,9 @@ def mlx_fast_vs_ops(case: routing.Case) -> dict[str, float]:
 def mlx_fast_race(case: routing.Case, size: tuple[int, int]) -> tuple[float, float]:
     """Seconds for a layer's forward and backward over size[0] positions: MLX's op, then ours."""
     x, cots = _layer(case, size[0])
-    mlx_s, ours_s = (routing.seconds(lambda f=f: mx.eval(mx.vjp(f, x, cots)))
-                     for f in (mlx_fast, gated_delta))  # fmt: skip
+    mlx_s, ours_s = (
+        routing.seconds(lambda f=f: mx.eval(mx.vjp(f, x, cots))) for f in (mlx_fast, gated_delta)
+    )
     return mlx_s, ours_s
 
 

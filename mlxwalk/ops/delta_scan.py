@@ -23,8 +23,9 @@ def _kernel_scan(u0, w, qg, p, kd, g_end, s, keep: bool = True):
     """The forward scan kernel: (outputs, exit state, entry states or a placeholder)."""
     n, lead = u0.shape[0], u0.shape[:4]
     heads = s.reshape(-1, *s.shape[-2:])
-    call = delta_kernels.scan_launch(_flat(u0), _flat(w), _flat(qg), _flat(p), _flat(kd),
-                                     g_end.reshape(n, -1), heads, keep)  # fmt: skip
+    call = delta_kernels.scan_launch(
+        _flat(u0), _flat(w), _flat(qg), _flat(p), _flat(kd), g_end.reshape(n, -1), heads, keep
+    )
     o, entries, s_out = routing.launch(call)
     entries = entries.reshape(*lead, *s.shape[-2:]) if keep else entries
     return o.reshape(u0.shape), s_out.reshape(s.shape), entries
@@ -42,15 +43,28 @@ def _kernel_recurrence_vjp(primals, cotangents, outputs):
     u0, w, qg, p, kd, g_end, s = primals
     d_out, ds = cotangents[0], cotangents[1]
     entries = outputs[2]  # (n, B, Hk, r, Dv, Dk)
-    call = delta_kernels.scan_back_launch(_flat(w), _flat(qg), _flat(p), _flat(kd),
-                                          g_end.reshape(u0.shape[0], -1), _flat(d_out),
-                                          ds.reshape(-1, *ds.shape[-2:]))  # fmt: skip
+    call = delta_kernels.scan_back_launch(
+        _flat(w),
+        _flat(qg),
+        _flat(p),
+        _flat(kd),
+        g_end.reshape(u0.shape[0], -1),
+        _flat(d_out),
+        ds.reshape(-1, *ds.shape[-2:]),
+    )
     ds_exit, du, ds0 = routing.launch(call)
     ds_exit, du = ds_exit.reshape(entries.shape), du.reshape(u0.shape)
     u = u0 - w @ entries.swapaxes(-1, -2)  # (n, B, Hk, r, c, Dv)
     dg = (ds_exit * entries).sum(axis=(-1, -2), keepdims=True)
-    return (du, -(du @ entries), d_out @ entries, d_out @ u.swapaxes(-1, -2), u @ ds_exit, dg,
-            ds0.reshape(s.shape))  # fmt: skip
+    return (
+        du,
+        -(du @ entries),
+        d_out @ entries,
+        d_out @ u.swapaxes(-1, -2),
+        u @ ds_exit,
+        dg,
+        ds0.reshape(s.shape),
+    )
 
 
 def _kernel_case(dk: int, chunk: int) -> routing.Case | None:
@@ -85,8 +99,15 @@ def _case(case: routing.Case, n: int, dv: int, heads: int) -> tuple[list, list]:
 
     p = normal(*lead, c, c) * mx.tril(mx.ones((c, c)))
     g_end = mx.array(rng.uniform(0.5, 1.0, (*lead, 1, 1)).astype(np.float32))
-    inputs = [normal(*lead, c, dv), normal(*lead, c, dk), normal(*lead, c, dk), p,
-              normal(*lead, c, dk), g_end, normal(1, 1, heads, dv, dk, scale=1.0)]  # fmt: skip
+    inputs = [
+        normal(*lead, c, dv),
+        normal(*lead, c, dk),
+        normal(*lead, c, dk),
+        p,
+        normal(*lead, c, dk),
+        g_end,
+        normal(1, 1, heads, dv, dk, scale=1.0),
+    ]
     cots = [normal(*lead, c, dv, scale=1.0), normal(1, 1, heads, dv, dk, scale=1.0)]
     return inputs, cots
 
@@ -99,8 +120,9 @@ def race(case: routing.Case, size: tuple[int, int]) -> tuple[float, float]:
     def step(f):
         return mx.eval(mx.vjp(lambda *a: f(*a)[:2], inputs, cots))
 
-    scans_s, ops_s = (routing.seconds(lambda f=f: step(f))
-                      for f in (_kernel_recurrence, _recurrence_with_states))  # fmt: skip
+    scans_s, ops_s = (
+        routing.seconds(lambda f=f: step(f)) for f in (_kernel_recurrence, _recurrence_with_states)
+    )
     return scans_s, ops_s
 
 

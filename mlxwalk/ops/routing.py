@@ -26,7 +26,7 @@ import mlx.core as mx
 
 from metal_kernels import build
 
-from ..plan import PlanError
+from ..errors import ConfigError
 
 MODES = ("auto", "off", "check", "on")
 # The relative L2 error a kernel may show against the twin: float32 leaves room for TF32
@@ -52,8 +52,10 @@ class Case:
             return f"{self.backend} delta rule key dim {self.dim} chunk {self.groups}"
         if self.op.startswith("mlx-delta"):
             name = str(self.dtype).removeprefix("mlx.core.")
-            return (f"{self.backend} {name} gated_delta_update {self.op.split()[1]} heads, dims "
-                    f"{self.dim}/{self.groups}")  # fmt: skip
+            return (
+                f"{self.backend} {name} gated_delta_update {self.op.split()[1]} heads, dims "
+                f"{self.dim}/{self.groups}"
+            )
         name = str(self.dtype).removeprefix("mlx.core.")
         store = f" ({str(self.store).removeprefix('mlx.core.')} store)" if self.store else ""
         return f"{self.backend} {name} head dim {self.dim} GQA {self.groups}{store}"
@@ -74,8 +76,11 @@ RACE: dict[str, tuple[int, int]] | None = {
     "delta": (32, 8),
     "mlx-delta": (2048, 1),  # MLX's gated_delta_update against the ops, one layer
 }
-_RACE_SIZE = {"attention": "{} queries over {} keys", "delta": "{} chunks, {} value heads",
-              "mlx-delta": "{} positions, batch {}"}  # fmt: skip
+_RACE_SIZE = {
+    "attention": "{} queries over {} keys",
+    "delta": "{} chunks, {} value heads",
+    "mlx-delta": "{} positions, batch {}",
+}
 # Injected so the CPU tests can run the Metal kernels through the harness.
 launch = build.launch
 backend = build.current_backend
@@ -85,7 +90,7 @@ _verdicts: dict[Case, bool] = {}
 def mode() -> str:
     value = os.environ.get("MLXWALK_KERNELS", "auto")
     if value not in MODES:
-        raise PlanError(f"MLXWALK_KERNELS={value!r} is unknown; choose one of {', '.join(MODES)}")
+        raise ConfigError(f"MLXWALK_KERNELS={value!r} is unknown; choose one of {', '.join(MODES)}")
     return value
 
 
@@ -133,9 +138,12 @@ def won_race(case: Case, race: Racer) -> bool:
     kernel_s, twin_s = race(case, size)
     if kernel_s <= twin_s:
         return True
-    print(f"mlxwalk: kernel {case.op} took {kernel_s * 1e3:.0f} ms against the ops twin's "
-          f"{twin_s * 1e3:.0f} ms on {case} ({_RACE_SIZE[kind].format(*size)}, forward and "
-          "backward); using the ops path", file=sys.stderr)  # fmt: skip
+    print(
+        f"mlxwalk: kernel {case.op} took {kernel_s * 1e3:.0f} ms against the ops twin's "
+        f"{twin_s * 1e3:.0f} ms on {case} ({_RACE_SIZE[kind].format(*size)}, forward and "
+        "backward); using the ops path",
+        file=sys.stderr,
+    )
     return False
 
 

@@ -26,7 +26,7 @@ from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
-from ..plan import PlanError
+from ..errors import ConfigError, DataError, FolderError, ModelError
 from ..training.files import owned
 from ..training.ranks import Ranks
 from ..walk import WalkConfig, arch, machine
@@ -47,9 +47,18 @@ FEATURES = {
     "completion_feature": "completion",
     "text_feature": "text",
     "chat_feature": "messages",
-}  # fmt: skip  (mlx-lm's loaders)
-WALK_OPTIONS = ("walk", "chunk", "horizon", "cache_type", "host_budget_mib", "memory_budget_mib",
-                "strict_exact", "overwrite")  # fmt: skip
+}  # mlx-lm's loaders
+WALK_OPTIONS = (
+    "walk",
+    "chunk",
+    "horizon",
+    "cache_type",
+    "host_budget_mib",
+    "memory_budget_mib",
+    "strict_exact",
+    "follow_runs",
+    "overwrite",
+)
 
 
 def _kind(name: str, default) -> type:
@@ -77,8 +86,11 @@ def walk_flags() -> dict[str, tuple[type, object]]:
     from ..training.config import TrainConfig
 
     kinds = {"int": int, "float": float, "bool": bool, "str": str}
-    return {f.name: (kinds[str(f.type).split("|")[0].strip()], f.default)
-            for f in fields(TrainConfig) if f.name in WALK_OPTIONS}  # fmt: skip
+    return {
+        f.name: (kinds[str(f.type).split("|")[0].strip()], f.default)
+        for f in fields(TrainConfig)
+        if f.name in WALK_OPTIONS
+    }
 
 
 def yaml_defaults() -> dict:
@@ -91,8 +103,11 @@ OPTIMIZERS = ("adam", "adamw", "sgd", "muon", "adafactor")  # the walk hands any
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m mlxwalk.lora", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m mlxwalk.lora",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("-c", "--config")
     for name, (kind, _) in {**mlx_lm_flags(), **walk_flags()}.items():
         flag = "--" + name.replace("_", "-")
@@ -137,51 +152,61 @@ def refuse(o) -> None:
     if isinstance(o.lora_parameters, dict):  # a partial mapping keeps mlx-lm's other defaults
         o.lora_parameters = {**yaml_defaults()["lora_parameters"], **o.lora_parameters}
     if not (o.train or o.test):
-        raise PlanError("give --train, --test or both")
+        raise ConfigError("give --train, --test or both")
     if o.fine_tune_type != "lora":
-        raise PlanError(f"fine-tune-type {o.fine_tune_type!r}: the walk trains LoRA adapters only")
+        raise ConfigError(
+            f"fine-tune-type {o.fine_tune_type!r}: the walk trains LoRA adapters only"
+        )
     if o.optimizer not in OPTIMIZERS:
-        raise PlanError(f"optimizer {o.optimizer!r} is unknown; choose {', '.join(OPTIMIZERS)}")
+        raise ConfigError(f"optimizer {o.optimizer!r} is unknown; choose {', '.join(OPTIMIZERS)}")
     if not isinstance(o.optimizer_config, dict):
-        raise PlanError("optimizer_config must map an optimizer's name to its arguments")
+        raise ConfigError("optimizer_config must map an optimizer's name to its arguments")
     if o.lr_schedule is not None and not (
         isinstance(o.lr_schedule, dict) and isinstance(o.lr_schedule.get("name"), str)
     ):
-        raise PlanError(
+        raise ConfigError(
             "lr_schedule must be a mapping with a name, as in mlx-lm "
             "({name: cosine_decay, warmup: 100, arguments: [1e-5, 1000, 1e-7]})"
         )
     if o.model is None:
-        raise PlanError("--model is required")
+        raise ConfigError("--model is required")
     if o.walk not in ("exact", "plain"):
-        raise PlanError(f"walk {o.walk!r} cannot train; choose exact or plain")
-    for name in ("iters", "steps_per_report", "steps_per_eval", "save_every", "max_seq_length",
-                 "chunk"):  # fmt: skip
+        raise ConfigError(f"walk {o.walk!r} cannot train; choose exact or plain")
+    for name in (
+        "iters",
+        "steps_per_report",
+        "steps_per_eval",
+        "save_every",
+        "max_seq_length",
+        "chunk",
+    ):
         at_least(name, getattr(o, name), 1)
     layers(o.num_layers)  # -1: every layer, as in mlx-lm
     if not o.hf_dataset and Path(o.data).is_file():
-        raise PlanError(f"--data {o.data} is a file; give the folder that holds train.jsonl, "
-                        "valid.jsonl and test.jsonl")  # fmt: skip
+        raise DataError(
+            f"--data {o.data} is a file; give the folder that holds train.jsonl, "
+            "valid.jsonl and test.jsonl"
+        )
     if not o.hf_dataset and not Path(o.data).is_dir():
-        raise PlanError(f"--data {o.data} is not a folder (nothing is downloaded)")
+        raise DataError(f"--data {o.data} is not a folder (nothing is downloaded)")
     for split, wanted in (("train", o.train), ("valid", o.train), ("test", o.test)):
         file = Path(o.data) / f"{split}.jsonl"
         if wanted and not o.hf_dataset and file.is_file() and not file.read_text().strip():
-            raise PlanError(f"{file} is empty: {split} needs at least one example")
+            raise DataError(f"{file} is empty: {split} needs at least one example")
     at_least("horizon", o.horizon, 0, " (0 = the whole window)")
     for name in ("val_batches", "test_batches"):
         if getattr(o, name) == 0 or getattr(o, name) < -1:
-            raise PlanError(f"--{name.replace('_', '-')} must be at least 1 (or -1 for all)")
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1 (or -1 for all)")
     positive("learning_rate", o.learning_rate)
     at_least("seed", o.seed, 0)
     lp = o.lora_parameters
     if not isinstance(lp, dict) or not isinstance(lp.get("rank"), int) or lp["rank"] < 1:
-        raise PlanError(f"lora_parameters: rank must be an integer of at least 1, got {lp!r}")
+        raise ConfigError(f"lora_parameters: rank must be an integer of at least 1, got {lp!r}")
     dropout, scale = lp.get("dropout", 0.0), lp.get("scale", 20.0)
     if not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
-        raise PlanError(f"lora_parameters: dropout must be a number in [0, 1), got {dropout!r}")
+        raise ConfigError(f"lora_parameters: dropout must be a number in [0, 1), got {dropout!r}")
     if not isinstance(scale, (int, float)) or isinstance(scale, bool):
-        raise PlanError(f"lora_parameters: scale must be a number, got {scale!r}")
+        raise ConfigError(f"lora_parameters: scale must be a number, got {scale!r}")
     positive("scale", float(scale))
 
 
@@ -193,7 +218,7 @@ def claim(o) -> None:
         folder.resolve()
     )
     if held and not (o.overwrite or resuming):
-        raise PlanError(
+        raise FolderError(
             f"adapter path {folder} holds an adapter already ({', '.join(held)}); pass "
             f"--overwrite to replace it, --resume-adapter-file {folder / 'adapters.safetensors'} "
             "to continue it, or another --adapter-path"
@@ -210,14 +235,19 @@ def load_adapter(model, folder: str) -> None:
     path = Path(folder)
     for name in ("adapter_config.json", "adapters.safetensors"):
         if not (path / name).exists():
-            raise PlanError(f"adapter path {path} has no {name} to test (train one with --train, "
-                            "or give --adapter-path '' to test the base model)")  # fmt: skip
+            raise FolderError(
+                f"adapter path {path} has no {name} to test (train one with --train, "
+                "or give --adapter-path '' to test the base model)"
+            )
     config = load_json(path / "adapter_config.json")
     model.freeze()
     linear_to_lora_layers(model, config["num_layers"], config["lora_parameters"])
     load_strict(model, load_safetensors(path / "adapters.safetensors"), str(path))
-    print(f"Testing the adapter in {path} (rank {config['lora_parameters']['rank']}, "
-          f"{config['num_layers']} layers)", flush=True)  # fmt: skip
+    print(
+        f"Testing the adapter in {path} (rank {config['lora_parameters']['rank']}, "
+        f"{config['num_layers']} layers)",
+        flush=True,
+    )
 
 
 def announce_cuts(dataset, max_seq_length: int | None) -> None:
@@ -227,10 +257,13 @@ def announce_cuts(dataset, max_seq_length: int | None) -> None:
     lengths = [len(dataset[i][0]) for i in range(len(dataset))]
     long = [n for n in lengths if n > max_seq_length]
     if long:
-        print(f"[WARNING] {len(long)} of {len(lengths)} training items are longer than "
-              f"max_seq_length ({max_seq_length}) and are cut to it (the longest has "
-              f"{max(long)} tokens); the walk needs no cut: drop --max-seq-length to keep them "
-              "whole", flush=True)  # fmt: skip
+        print(
+            f"[WARNING] {len(long)} of {len(lengths)} training items are longer than "
+            f"max_seq_length ({max_seq_length}) and are cut to it (the longest has "
+            f"{max(long)} tokens); the walk needs no cut: drop --max-seq-length to keep them "
+            "whole",
+            flush=True,
+        )
 
 
 class PrintCallback:
@@ -240,18 +273,24 @@ class PrintCallback:
         self.wrapped = [w for w in wrapped if w is not None]
 
     def on_train_loss_report(self, info: dict) -> None:
-        print(f"Iter {info['iteration']}: Train loss {info['train_loss']:.3f}, "
-              f"Learning Rate {info['learning_rate']:.3e}, "
-              f"It/sec {info['iterations_per_second']:.3f}, "
-              f"Tokens/sec {info['tokens_per_second']:.1f}, "
-              f"Trained Tokens {info['trained_tokens']}, "
-              f"Peak mem {info['peak_memory']:.3f} GB", flush=True)  # fmt: skip
+        print(
+            f"Iter {info['iteration']}: Train loss {info['train_loss']:.3f}, "
+            f"Learning Rate {info['learning_rate']:.3e}, "
+            f"It/sec {info['iterations_per_second']:.3f}, "
+            f"Tokens/sec {info['tokens_per_second']:.1f}, "
+            f"Trained Tokens {info['trained_tokens']}, "
+            f"Peak mem {info['peak_memory']:.3f} GB",
+            flush=True,
+        )
         for w in self.wrapped:
             w.on_train_loss_report(info)
 
     def on_val_loss_report(self, info: dict) -> None:
-        print(f"Iter {info['iteration']}: Val loss {info['val_loss']:.3f}, "
-              f"Val took {info['val_time']:.3f}s", flush=True)  # fmt: skip
+        print(
+            f"Iter {info['iteration']}: Val loss {info['val_loss']:.3f}, "
+            f"Val took {info['val_time']:.3f}s",
+            flush=True,
+        )
         for w in self.wrapped:
             w.on_val_loss_report(info)
 
@@ -263,12 +302,13 @@ def reporting(o, callback=None) -> PrintCallback:
     if not o.report_to:
         return PrintCallback(callback)
     try:
-        wrapped = get_reporting_callbacks(o.report_to, project_name=o.project_name,
-                                          log_dir=o.adapter_path, config=vars(o))  # fmt: skip
+        wrapped = get_reporting_callbacks(
+            o.report_to, project_name=o.project_name, log_dir=o.adapter_path, config=vars(o)
+        )
     except ImportError as e:
-        raise PlanError(f"--report-to {o.report_to}: {e.name or e} is not installed") from None
+        raise ConfigError(f"--report-to {o.report_to}: {e.name or e} is not installed") from None
     except ValueError as e:
-        raise PlanError(f"--report-to {o.report_to}: {e}") from None
+        raise ConfigError(f"--report-to {o.report_to}: {e}") from None
     return PrintCallback(wrapped, callback)
 
 
@@ -278,10 +318,16 @@ def run(o, training_callback=None) -> None:
     from . import trainer
 
     refuse(o)
-    walk_config = WalkConfig(chunk=o.chunk, horizon=o.horizon, cache_type=o.cache_type,
-                             recompute=bool(o.grad_checkpoint), host_budget_mib=o.host_budget_mib,
-                             memory_budget_mib=o.memory_budget_mib,
-                             strict_exact=bool(o.strict_exact)).check()  # fmt: skip
+    walk_config = WalkConfig(
+        chunk=o.chunk,
+        horizon=o.horizon,
+        cache_type=o.cache_type,
+        recompute=bool(o.grad_checkpoint),
+        host_budget_mib=o.host_budget_mib,
+        memory_budget_mib=o.memory_budget_mib,
+        strict_exact=bool(o.strict_exact),
+        follow_runs=bool(o.follow_runs),
+    ).check()
     ranks = Ranks.init()
     trainer.check(o, ranks=ranks.size)
     with owned(Path(o.adapter_path)) if o.train and ranks.leader else nullcontext():
@@ -309,15 +355,17 @@ def fine_tune(o, walk_config, ranks: Ranks, training_callback=None) -> None:
     train_set, valid_set, test_set = load_dataset(o, tokenizer)
     args = training_args(o)
     if o.train:
-        train(o, model, CacheDataset(train_set), CacheDataset(valid_set), args, walk_config,
-              callback)  # fmt: skip
+        train(
+            o, model, CacheDataset(train_set), CacheDataset(valid_set), args, walk_config, callback
+        )
     elif o.adapter_path:
         load_adapter(model, o.adapter_path)
     else:
         print("Testing the base model (no adapter)", flush=True)
     if o.test:
-        loss = trainer.evaluate(model, CacheDataset(test_set), args, walk_config, o.test_batches,
-                                ranks=ranks)  # fmt: skip
+        loss = trainer.evaluate(
+            model, CacheDataset(test_set), args, walk_config, o.test_batches, ranks=ranks
+        )
         if ranks.leader:
             print(f"Test loss {loss:.3f}, Test ppl {math.exp(loss):.3f}.", flush=True)
 
@@ -326,13 +374,17 @@ def training_args(o):
     from mlx_lm.tuner.trainer import TrainingArgs
 
     return TrainingArgs(
-        batch_size=o.batch_size, iters=o.iters, val_batches=o.val_batches,
-        steps_per_report=o.steps_per_report, steps_per_eval=o.steps_per_eval,
+        batch_size=o.batch_size,
+        iters=o.iters,
+        val_batches=o.val_batches,
+        steps_per_report=o.steps_per_report,
+        steps_per_eval=o.steps_per_eval,
         steps_per_save=o.save_every,
         adapter_file=str(Path(o.adapter_path) / "adapters.safetensors"),
         max_seq_length=o.max_seq_length or NO_CUT,
-        grad_checkpoint=bool(o.grad_checkpoint), clear_cache_threshold=o.clear_cache_threshold,
-    )  # fmt: skip
+        grad_checkpoint=bool(o.grad_checkpoint),
+        clear_cache_threshold=o.clear_cache_threshold,
+    )
 
 
 def make_optimizer(o):
@@ -343,14 +395,19 @@ def make_optimizer(o):
     try:
         lr = build_schedule(o.lr_schedule) if o.lr_schedule else o.learning_rate
     except (AttributeError, KeyError, TypeError, ValueError) as e:
-        raise PlanError(f"lr_schedule {o.lr_schedule!r}: {e}") from None
-    classes = {"adam": optim.Adam, "adamw": optim.AdamW, "sgd": optim.SGD, "muon": optim.Muon,
-               "adafactor": optim.Adafactor}  # fmt: skip
+        raise ConfigError(f"lr_schedule {o.lr_schedule!r}: {e}") from None
+    classes = {
+        "adam": optim.Adam,
+        "adamw": optim.AdamW,
+        "sgd": optim.SGD,
+        "muon": optim.Muon,
+        "adafactor": optim.Adafactor,
+    }
     settings = o.optimizer_config.get(o.optimizer, {}) or {}
     try:
         return classes[o.optimizer](learning_rate=lr, **settings)
     except TypeError as e:
-        raise PlanError(f"optimizer_config for {o.optimizer}: {e}") from None
+        raise ConfigError(f"optimizer_config for {o.optimizer}: {e}") from None
 
 
 def train(o, model, train_set, valid_set, args, walk_config, callback) -> None:
@@ -364,27 +421,43 @@ def train(o, model, train_set, valid_set, args, walk_config, callback) -> None:
     mx.random.seed(o.seed)  # the adapter's initial values, as mlx_lm.lora seeds them
     model.freeze()
     if o.num_layers != -1 and o.num_layers > len(model.layers):
-        raise PlanError(f"--num-layers {o.num_layers} exceeds the model's {len(model.layers)} "
-                        "layers")  # fmt: skip
-    lora = adapters.LoraConfig(o.lora_parameters["rank"], o.lora_parameters["scale"],
-                               o.lora_parameters["dropout"], o.num_layers,
-                               o.lora_parameters.get("keys"))  # fmt: skip
+        raise ModelError(
+            f"--num-layers {o.num_layers} exceeds the model's {len(model.layers)} layers"
+        )
+    lora = adapters.LoraConfig(
+        o.lora_parameters["rank"],
+        o.lora_parameters["scale"],
+        o.lora_parameters["dropout"],
+        o.num_layers,
+        o.lora_parameters.get("keys"),
+    )
     adapters.check(model, lora)
     linear_to_lora_layers(model, o.num_layers, o.lora_parameters)
     if o.resume_adapter_file:
         file = Path(o.resume_adapter_file)
         if file.is_dir():
-            raise PlanError(f"--resume-adapter-file {file} is a folder; give the adapter's "
-                            f"file, such as {file / 'adapters.safetensors'}")  # fmt: skip
+            raise ConfigError(
+                f"--resume-adapter-file {file} is a folder; give the adapter's "
+                f"file, such as {file / 'adapters.safetensors'}"
+            )
         if not file.is_file():
-            raise PlanError(f"--resume-adapter-file {file} does not exist")
+            raise ConfigError(f"--resume-adapter-file {file} does not exist")
         adapters.load_strict(model, load_safetensors(file), str(file))
         print(f"Loading fine-tuned weights from {file}", flush=True)
     announce_cuts(train_set, o.max_seq_length)
     optimizer = make_optimizer(o)
     config = {**{k: v for k, v in vars(o).items() if k != "overwrite"}, "fine_tune_type": "lora"}
-    trainer.train(model, optimizer, train_set, valid_set, args, training_callback=callback,
-                  walk=o.walk, walk_config=walk_config, adapter_config=config)  # fmt: skip
+    trainer.train(
+        model,
+        optimizer,
+        train_set,
+        valid_set,
+        args,
+        training_callback=callback,
+        walk=o.walk,
+        walk_config=walk_config,
+        adapter_config=config,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

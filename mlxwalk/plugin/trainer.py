@@ -26,7 +26,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
-from ..plan import PlanError
+from ..errors import ConfigError, DataError, RanksError, Refusal
 from ..training.ranks import Ranks, StepSum, reduce_step
 from ..walk import WalkConfig, Window, apply_step, arch, exact_gradient, train_window, window_loss
 from ..walk.guards import NonFinite, check_ids
@@ -50,8 +50,8 @@ def window_of(batch, lengths) -> Window | None:
 def named(fn, where: str) -> None:
     try:
         fn()
-    except PlanError as e:
-        raise PlanError(f"{where}: {e}") from None
+    except Refusal as e:
+        raise DataError(f"{where}: {e}") from None
 
 
 def check(args, loss=None, ranks: int = 1) -> None:
@@ -59,16 +59,21 @@ def check(args, loss=None, ranks: int = 1) -> None:
 
     if args.batch_size != ranks:
         each = "per step" if ranks == 1 else f"per rank per step ({ranks} ranks)"
-        raise PlanError(f"batch_size {args.batch_size}: the walk trains one window {each}; "
-                        f"use {ranks}")  # fmt: skip
+        raise ConfigError(
+            f"batch_size {args.batch_size}: the walk trains one window {each}; use {ranks}"
+        )
     if getattr(args, "grad_accumulation_steps", 1) != 1:
-        raise PlanError("grad_accumulation_steps: the exact walk already takes one step per window")
+        raise ConfigError(
+            "grad_accumulation_steps: the exact walk already takes one step per window"
+        )
     if loss is not None and loss is not default_loss:
         if hasattr(loss, "on_train_loss_report"):
-            raise PlanError("loss: got a TrainingCallback; mlx-lm's order is (model, optimizer, "
-                            "train_dataset, val_dataset, args, loss, iterate_batches, "
-                            "training_callback): pass it as training_callback=")  # fmt: skip
-        raise PlanError(
+            raise ConfigError(
+                "loss: got a TrainingCallback; mlx-lm's order is (model, optimizer, "
+                "train_dataset, val_dataset, args, loss, iterate_batches, "
+                "training_callback): pass it as training_callback="
+            )
+        raise ConfigError(
             "loss: the walk computes mlx-lm's default_loss (mean cross-entropy over the labelled "
             "tokens) chunk by chunk; a custom loss can't be walked"
         )
@@ -135,8 +140,9 @@ def train(
     ranks = Ranks.init()
     check(args, loss, ranks.size)
     if walk != "exact" and ranks.size > 1:
-        raise PlanError("walk plain steps once per chunk; across ranks only the exact walk's "
-                        "steps combine")  # fmt: skip
+        raise RanksError(
+            "walk plain steps once per chunk; across ranks only the exact walk's steps combine"
+        )
     iterate_batches = iterate_batches or mlx_trainer.iterate_batches
     base = walk_config or WalkConfig(chunk=512, recompute=args.grad_checkpoint)
     layout = arch.inspect(model)
@@ -147,18 +153,23 @@ def train(
     for it, (batch, lengths) in zip(range(1, args.iters + 1), batches):
         if val_dataset and (it == 1 or it % args.steps_per_eval == 0 or it == args.iters):
             tic = time.perf_counter()
-            val_loss = evaluate(model, val_dataset, args, base, args.val_batches, iterate_batches,
-                                ranks)  # fmt: skip
+            val_loss = evaluate(
+                model, val_dataset, args, base, args.val_batches, iterate_batches, ranks
+            )
             if speaks:
                 training_callback.on_val_loss_report(
-                    {"iteration": it - 1, "val_loss": val_loss,
-                     "val_time": time.perf_counter() - tic}
-                )  # fmt: skip
+                    {
+                        "iteration": it - 1,
+                        "val_loss": val_loss,
+                        "val_time": time.perf_counter() - tic,
+                    }
+                )
         tic = time.perf_counter()
         config = WalkConfig(**{**base.__dict__, "seed": it})
         try:
-            loss_value, weight = step(model, optimizer, batch, lengths, it, args, config, walk,
-                                      layout, ranks)  # fmt: skip
+            loss_value, weight = step(
+                model, optimizer, batch, lengths, it, args, config, walk, layout, ranks
+            )
         except NonFinite as e:
             kept = Path(args.adapter_file)
             last = f"{kept} is as saved" if kept.exists() else "nothing was saved"
@@ -171,15 +182,17 @@ def train(
         if it % args.steps_per_report == 0 or it == args.iters:
             trained += tokens
             if speaks:
-                training_callback.on_train_loss_report({
-                    "iteration": it,
-                    "train_loss": losses / steps,
-                    "learning_rate": float(optimizer.learning_rate),
-                    "iterations_per_second": steps / elapsed,
-                    "tokens_per_second": tokens / elapsed,
-                    "trained_tokens": trained,
-                    "peak_memory": mx.get_peak_memory() / 1e9,
-                })  # fmt: skip
+                training_callback.on_train_loss_report(
+                    {
+                        "iteration": it,
+                        "train_loss": losses / steps,
+                        "learning_rate": float(optimizer.learning_rate),
+                        "iterations_per_second": steps / elapsed,
+                        "tokens_per_second": tokens / elapsed,
+                        "trained_tokens": trained,
+                        "peak_memory": mx.get_peak_memory() / 1e9,
+                    }
+                )
             losses, tokens, steps, elapsed = 0.0, 0, 0, 0.0
         if ranks.leader and (it % args.steps_per_save == 0 or it == args.iters):
             numbered = it if it % args.steps_per_save == 0 else None
@@ -193,12 +206,13 @@ def step(model, optimizer, batch, lengths, it, args, config, walk, layout, ranks
     try:
         window = window_of(batch, lengths)
         if window is None:  # mlx-lm's loss would be 0/0 here
-            raise PlanError(f"iteration {it}: the batch has no labelled token within "
-                            f"max_seq_length ({args.max_seq_length})")  # fmt: skip
+            raise DataError(
+                f"iteration {it}: the batch has no labelled token within "
+                f"max_seq_length ({args.max_seq_length})"
+            )
         named(lambda w=window: check_ids(w, layout.vocab), f"iteration {it}")
         if walk != "exact" or ranks.size == 1:
-            run = train_window(model, optimizer, window, config, walk, layout=layout,
-                               clip=None)  # fmt: skip
+            run = train_window(model, optimizer, window, config, walk, layout=layout, clip=None)
             return run.loss, window.total
         run, grads = exact_gradient(model, window, config, layout=layout)
     except NonFinite:
@@ -210,8 +224,12 @@ def step(model, optimizer, batch, lengths, it, args, config, walk, layout, ranks
             raise
         error = e
     slots = np.zeros(ranks.size, np.float32)
-    part = StepSum(tree_map(mx.zeros_like, model.trainable_parameters()), slots.copy(),
-                   slots.copy(), slots.copy())  # fmt: skip
+    part = StepSum(
+        tree_map(mx.zeros_like, model.trainable_parameters()),
+        slots.copy(),
+        slots.copy(),
+        slots.copy(),
+    )
     part.finite = not isinstance(error, NonFinite)
     if error is None:
         part.grads = tree_map(lambda g: g * window.total, grads)

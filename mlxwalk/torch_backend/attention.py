@@ -17,8 +17,17 @@ from torch.nn.attention.bias import causal_lower_right
 NAME = "mlxwalk"
 
 
-def walk_attention(module, query, key, value, attention_mask=None, dropout: float = 0.0,
-                   scaling: float | None = None, sliding_window=None, **kwargs):  # fmt: skip
+def walk_attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask=None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window=None,
+    **kwargs,
+):
     """query (B, H, q, D), key and value (B, Hkv, S, D) with S >= q; (B, q, H, D), None."""
     if sliding_window:
         raise ValueError("the torch walk does not take sliding-window attention layers")
@@ -43,8 +52,9 @@ def walk_attention(module, query, key, value, attention_mask=None, dropout: floa
     if q == s:
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling)
     else:
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=causal_lower_right(q, s),
-                                             scale=scaling)  # fmt: skip
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=causal_lower_right(q, s), scale=scaling
+        )
     return out.transpose(1, 2).contiguous(), None  # (B, q, H, D)
 
 

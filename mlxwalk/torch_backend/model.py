@@ -15,7 +15,8 @@ import torch
 from safetensors.numpy import load_file, save_file
 
 from .. import tiny
-from ..plan import Footprint, PlanError
+from ..errors import ModelError
+from ..plan import Footprint
 from . import recurrent
 
 # The RMSNorms a Qwen3.5 / Qwen3-Next checkpoint stores zero-centred (transformers applies
@@ -79,7 +80,7 @@ def load(
 
     folder = Path(folder)
     if not (folder / "config.json").is_file():
-        raise PlanError(f"{folder}: not a model folder (no config.json)")
+        raise ModelError(f"{folder}: not a model folder (no config.json)")
     model = AutoModelForCausalLM.from_pretrained(
         str(folder), dtype=dtype, local_files_only=True, attn_implementation=attention
     )

@@ -9,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..plan import OutOfMemory, PlanError, mib, plan_window
+from ..errors import ConfigError, OutOfMemory
+from ..plan import mib, plan_window
 from ..walk.config import Window
 from .model import footprint
 from .walk import DTYPES, mib_bytes
@@ -28,7 +29,7 @@ def run(args, echo=print) -> int:
     from .train import model_folder
 
     if args.cache_type not in DTYPES:
-        raise PlanError(
+        raise ConfigError(
             f"--cache-type {args.cache_type}: the torch backend stores K/V as {', '.join(DTYPES)}"
         )
     if args.memory_budget_mib is not None:
@@ -70,7 +71,9 @@ def measured(args, echo=print) -> int:
     from .walk import ExactWalk, TorchWalkConfig
 
     if not torch.cuda.is_available():
-        raise PlanError("--memory-budget-mib counts CUDA memory, and there is no CUDA device here")
+        raise ConfigError(
+            "--memory-budget-mib counts CUDA memory, and there is no CUDA device here"
+        )
     layers = None if args.num_layers == -1 else args.num_layers
     model = add_lora(
         load(model_folder(args.model), dtype=torch.bfloat16, device="cuda"),

@@ -48,8 +48,10 @@ def reduce_grads(
 ) -> tuple[list[torch.Tensor], np.ndarray]:
     """The weighted gradients and the step's head (losses, weights, flags) summed over the
     ranks in one all_reduce."""
-    flat = torch.cat([torch.from_numpy(head).to(ranks.device)] +
-                     [g.to(ranks.device, torch.float32).reshape(-1) for g in grads])  # fmt: skip
+    flat = torch.cat(
+        [torch.from_numpy(head).to(ranks.device)]
+        + [g.to(ranks.device, torch.float32).reshape(-1) for g in grads]
+    )
     ranks.all_sum(flat)
     out, at = [], len(head)
     for g in grads:

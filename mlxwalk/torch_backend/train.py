@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..plan import PlanError
+from ..errors import ConfigError, FolderError, ModelError, RanksError
 from ..training import data as datasets
 from ..training import report, samples, windows
 from ..training.config import TrainConfig
@@ -43,15 +43,17 @@ DEFAULT_KEYS = ("q_proj", "v_proj", "in_proj_qkv", "in_proj_z")  # attention and
 
 def refuse_unsupported(cfg: TrainConfig) -> None:
     if cfg.recompute:
-        raise PlanError("--recompute is not taken by the torch backend yet")
+        raise ConfigError("--recompute is not taken by the torch backend yet")
     if cfg.memory_budget_mib is not None and not torch.cuda.is_available():
-        raise PlanError("--memory-budget-mib counts CUDA memory, and there is no CUDA device here")
+        raise ConfigError(
+            "--memory-budget-mib counts CUDA memory, and there is no CUDA device here"
+        )
     if cfg.cache_type not in DTYPES:
-        raise PlanError(
+        raise ConfigError(
             f"--cache-type {cfg.cache_type}: the torch backend stores K/V as {', '.join(DTYPES)}"
         )
     if cfg.dropout:
-        raise PlanError("--dropout: the torch walk trains without LoRA dropout")
+        raise ConfigError("--dropout: the torch walk trains without LoRA dropout")
 
 
 def model_folder(name: str) -> Path:
@@ -61,7 +63,7 @@ def model_folder(name: str) -> Path:
         return models.tiny_folder(name)
     folder = Path(name)
     if not (folder / "config.json").is_file():
-        raise PlanError(
+        raise ModelError(
             f"{name}: the torch backend loads a local transformers folder (with "
             "config.json and safetensors weights)"
         )
@@ -90,14 +92,16 @@ class TorchRun:
         self.echo = echo = echo if self.ranks.leader else (lambda *a: None)
         refuse_unsupported(cfg)
         if cfg.walk == "plain" and self.ranks.size > 1:
-            raise PlanError("--walk plain steps once per chunk; across ranks only the exact "
-                            "walk's steps combine")  # fmt: skip
+            raise RanksError(
+                "--walk plain steps once per chunk; across ranks only the exact "
+                "walk's steps combine"
+            )
         self.out = Path(cfg.adapter_path or f"runs/{Path(cfg.model).name}-torch")
         held = self.out / MANIFEST
         if held.exists() and not (cfg.resume or cfg.overwrite):
-            raise PlanError(f"{self.out} holds another run; give --resume or --overwrite")
+            raise FolderError(f"{self.out} holds another run; give --resume or --overwrite")
         if cfg.resume and not held.exists():
-            raise PlanError(f"--resume: {self.out} holds no run to continue")
+            raise FolderError(f"--resume: {self.out} holds no run to continue")
         folder = model_folder(cfg.model)
         data_folder = datasets.check_folder(cfg.data) if cfg.data else samples.folder()
         self.device = (
@@ -200,10 +204,10 @@ class TorchRun:
 
         why = mismatch(json.loads(held.read_text()), self.identity, self.out)
         if why:
-            raise PlanError(f"--resume: {why}")
+            raise FolderError(f"--resume: {why}")
         saved = sorted((self.out / CHECKPOINTS).glob("window-*"))
         if not saved:
-            raise PlanError(f"--resume: {self.out} holds no checkpoint yet")
+            raise FolderError(f"--resume: {self.out} holds no checkpoint yet")
         last = saved[-1]
         weights = load_file(str(last / "adapter_model.safetensors"), device=str(self.device))
         set_peft_model_state_dict(self.model, weights)
@@ -277,8 +281,14 @@ class TorchRun:
         if len(examples) == 1 and self.ranks.size == 1:
             ex = examples[0]
             window = Window.of(ex.inputs, ex.targets, ex.weights)
-            walk = train_window(self.model, self.optimizer, window, self.walk_config,
-                                self.cfg.walk, clip=self.cfg.grad_clip)  # fmt: skip
+            walk = train_window(
+                self.model,
+                self.optimizer,
+                window,
+                self.walk_config,
+                self.cfg.walk,
+                clip=self.cfg.grad_clip,
+            )
             used = getattr(walk, "horizon_used", self.cfg.horizon)
             losses, horizons = [walk.loss], [used if used != self.cfg.horizon else 0]
         else:
@@ -299,8 +309,13 @@ class TorchRun:
         )
         peak = torch.cuda.max_memory_allocated() if self.device.type == "cuda" else 0
         tokens = sum(len(e) for e in examples)
-        bar.window(float(np.mean(losses)), tokens / seconds, peak / 2**20,
-                   min(narrowed) if narrowed else None, windows=len(examples))  # fmt: skip
+        bar.window(
+            float(np.mean(losses)),
+            tokens / seconds,
+            peak / 2**20,
+            min(narrowed) if narrowed else None,
+            windows=len(examples),
+        )
 
     def combined_step(self, examples: list) -> tuple[np.ndarray, np.ndarray]:
         """This rank's windows walked, their gradients weighted by their labelled weight; one

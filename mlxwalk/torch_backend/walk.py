@@ -24,7 +24,8 @@ import numpy as np
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ..plan import Footprint, OutOfMemory, PlanError, cut, plan_window
+from ..errors import ConfigError, OutOfMemory
+from ..plan import Footprint, cut, plan_window
 from ..walk.budget import Activations, graph_bytes, narrowed
 from ..walk.config import Window
 from . import budget as budgets
@@ -295,8 +296,11 @@ class ExactWalk(Walk):
             est, graph=self.graph_bytes(fewest, last.start), taps=self.tap_bytes(fewest)
         )
         asked = (self.config.store, self.config.accumulators)
-        first = next(p for p in budgets.PLACEMENTS if all(a != "host" or b == "host"
-                                                          for a, b in zip(asked, p)))  # fmt: skip
+        first = next(
+            p
+            for p in budgets.PLACEMENTS
+            if all(a != "host" or b == "host" for a, b in zip(asked, p))
+        )
         est = budgets.place(est, least, budget, first)
         self.config = replace(self.config, store=est.store_at, accumulators=est.accumulators_at)
         return est
@@ -444,7 +448,7 @@ def probe(model, chunk: int, store_dtype: str | None = None) -> Activations:
     gradient (counted apart). Once per model, chunk, store dtype and adapter."""
     device = next(model.parameters()).device
     if device.type != "cuda":
-        raise PlanError(
+        raise ConfigError(
             f"--memory-budget-mib counts CUDA memory, and the model is on the {device.type}"
         )
     trainable = [

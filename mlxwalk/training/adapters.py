@@ -11,7 +11,7 @@ from pathlib import Path
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ..plan import PlanError
+from ..errors import ConfigError, ModelError
 from .files import save_safetensors, write_text
 
 LINEAR_TYPES = ("Linear", "QuantizedLinear", "SwitchLinear", "QuantizedSwitchLinear")
@@ -51,7 +51,7 @@ def check(model: nn.Module, lora: LoraConfig) -> None:
     for key in lora.keys:
         if key not in found:
             have = ", ".join(sorted(found)[:12]) + (", ..." if len(found) > 12 else "")
-            raise PlanError(
+            raise ConfigError(
                 f"--targets: {key!r} is not a linear layer of the adapted layers; they have {have}"
             )
 
@@ -76,13 +76,13 @@ def load_strict(model: nn.Module, weights: dict, source: str) -> None:
     if missing or extra:
         name = (missing or extra)[0]
         why = "missing from it" if missing else "not a trainable parameter of this model"
-        raise PlanError(
+        raise ModelError(
             f"{source}: adapter tensor {name} is {why} ({len(missing)} missing, "
             f"{len(extra)} unexpected): it was trained with another LoRA layout or model"
         )
     for name, w in want.items():
         if tuple(weights[name].shape) != tuple(w.shape):
-            raise PlanError(
+            raise ModelError(
                 f"{source}: adapter tensor {name} has shape {tuple(weights[name].shape)}, the "
                 f"model's is {tuple(w.shape)}: it was trained with another rank or model"
             )
@@ -91,8 +91,9 @@ def load_strict(model: nn.Module, weights: dict, source: str) -> None:
 
 def dropout(model: nn.Module) -> float:
     """The largest dropout probability among the model's dropout layers (LoRA's), 0 if none."""
-    return max((1.0 - m._p_1 for _, m in model.named_modules() if isinstance(m, nn.Dropout)),
-               default=0.0)  # fmt: skip
+    return max(
+        (1.0 - m._p_1 for _, m in model.named_modules() if isinstance(m, nn.Dropout)), default=0.0
+    )
 
 
 def save(model: nn.Module, folder: Path, lora: LoraConfig) -> None:

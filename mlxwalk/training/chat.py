@@ -79,8 +79,9 @@ def turn_span(whole: str, head: str, before: str, upto: str, anchors: list[str])
         at = whole.find(tail, start, start + skip + len(tail))
         if at != -1 and (tail or at == start):
             return start, at + len(tail)
-    raise ValueError("its rendering in the whole conversation matches none of its rendering "
-                     "as the last turn")  # fmt: skip
+    raise ValueError(
+        "its rendering in the whole conversation matches none of its rendering as the last turn"
+    )
 
 
 def entered(head: str, text: str, base: int) -> int:

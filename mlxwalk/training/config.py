@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field, fields
 
 from .. import tiny
-from ..plan import PlanError
+from ..errors import ConfigError
 from ..walk import WalkConfig
 from ..walk.store import check_cache_type
 from . import adapters, data
@@ -46,28 +46,28 @@ def coerce(name: str, value, kind: str):
         ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
     if not ok:
         what = KINDS.get(base, "a list of strings")
-        raise PlanError(f"{name} must be {what}, got {given!r}")
+        raise ConfigError(f"{name} must be {what}, got {given!r}")
     return value
 
 
 def at_least(name: str, value, least, what: str = "") -> None:
     if value is not None and value < least:
-        raise PlanError(f"{flag(name)} must be at least {least}{what}, got {value}")
+        raise ConfigError(f"{flag(name)} must be at least {least}{what}, got {value}")
 
 
 def positive(name: str, value) -> None:
     if value is not None and not (math.isfinite(value) and value > 0):
-        raise PlanError(f"{flag(name)} must be a positive, finite number, got {value}")
+        raise ConfigError(f"{flag(name)} must be a positive, finite number, got {value}")
 
 
 def layers(num_layers: int) -> None:
     if num_layers == 0 or num_layers < -1:
-        raise PlanError(f"--num-layers must be at least 1 (or -1 for all), got {num_layers}")
+        raise ConfigError(f"--num-layers must be at least 1 (or -1 for all), got {num_layers}")
 
 
 def choice(name: str, value, allowed) -> None:
     if value not in allowed:
-        raise PlanError(f"{flag(name)} {value!r} is unknown; choose {' or '.join(allowed)}")
+        raise ConfigError(f"{flag(name)} {value!r} is unknown; choose {' or '.join(allowed)}")
 
 
 def option(default, help: str, **kw):
@@ -80,35 +80,51 @@ def option(default, help: str, **kw):
 
 @dataclass
 class TrainConfig:
-    model: str = option(tiny.DEFAULT_MODEL, "a model folder, a bundled model, or a hub id in the "
-                        "local cache", plan=True)  # fmt: skip
-    data: str | None = option(None, "a folder with train.jsonl and optionally valid.jsonl "
-                              "(default: a sample)")  # fmt: skip
+    model: str = option(
+        tiny.DEFAULT_MODEL,
+        "a model folder, a bundled model, or a hub id in the local cache",
+        plan=True,
+    )
+    data: str | None = option(
+        None, "a folder with train.jsonl and optionally valid.jsonl (default: a sample)"
+    )
     walk: str = option("exact", "exact (one step per window) or plain (one step per chunk)")
-    window: int | None = option(None, "positions per window (default: the longest example, "
-                                "rounded up to the chunk)",
-                                plan="positions the planned window holds (required)")  # fmt: skip
+    window: int | None = option(
+        None,
+        "positions per window (default: the longest example, rounded up to the chunk)",
+        plan="positions the planned window holds (required)",
+    )
     chunk: int = option(512, "positions per chunk", plan=True)
-    horizon: int = option(0, "prefix positions each chunk sends gradient to (0 = the whole "
-                          "window)", plan=True)  # fmt: skip
+    horizon: int = option(
+        0, "prefix positions each chunk sends gradient to (0 = the whole window)", plan=True
+    )
     cache_type: str = option("float32", "K/V store: float32, float16, bfloat16 or q8", plan=True)
     host_budget_mib: float | None = option(None, "accumulators + checkpoints", plan=True)
-    memory_budget_mib: float | None = option(None, "all the run holds in MLX's memory: refused "
-                                             "or held to it", plan=True)  # fmt: skip
-    recompute: bool = option(False, "activation checkpointing inside each chunk's graph",
-                             plan=True)  # fmt: skip
-    keep_inputs: str = option("auto", "with --recompute, each layer's input kept from the decode "
-                              "(no recorded forward): auto (when it fits the memory budget), on "
-                              "or off", plan=True)  # fmt: skip
-    strict_exact: bool = option(False, "refuse a window the memory budget fits only with a "
-                                "narrowed horizon (not exact)")  # fmt: skip
+    memory_budget_mib: float | None = option(
+        None, "all the run holds in MLX's memory: refused or held to it", plan=True
+    )
+    recompute: bool = option(False, "activation checkpointing inside each chunk's graph", plan=True)
+    keep_inputs: str = option(
+        "auto",
+        "with --recompute, each layer's input kept from the decode "
+        "(no recorded forward): auto (when it fits the memory budget), on "
+        "or off",
+        plan=True,
+    )
+    strict_exact: bool = option(
+        False, "refuse a window the memory budget fits only with a narrowed horizon (not exact)"
+    )
     epochs: int = option(3, "passes over the training windows")
     iters: int | None = option(None, "stop after this many windows")
-    windows_per_step: int = option(1, "windows one optimizer step combines, per rank (the "
-                                   "exact walk; the mean over their labelled tokens)")  # fmt: skip
+    windows_per_step: int = option(
+        1,
+        "windows one optimizer step combines, per rank (the "
+        "exact walk; the mean over their labelled tokens)",
+    )
     lr: float = option(1e-4, "learning rate (the peak, with a schedule)")
-    lr_schedule: str | None = option(None, "none (constant), cosine_decay or linear_schedule "
-                                     "(to 0 at the run's last step)")  # fmt: skip
+    lr_schedule: str | None = option(
+        None, "none (constant), cosine_decay or linear_schedule (to 0 at the run's last step)"
+    )
     warmup: int = option(0, "steps of linear warmup from 0 to --lr")
     grad_clip: float | None = option(None, "clip each step's gradient to this global L2 norm")
     optimizer: str = option("adam", "adam, adamw or sgd")
@@ -117,33 +133,37 @@ class TrainConfig:
     scale: float = option(20.0, "LoRA scale")
     dropout: float = option(0.0, "LoRA dropout")
     num_layers: int = option(16, "layers (from the last) that get adapters; -1 = all", plan=True)
-    targets: list[str] | None = option(None, "module keys within a layer to adapt (default: "
-                                       "mlx-lm's choice)")  # fmt: skip
+    targets: list[str] | None = option(
+        None, "module keys within a layer to adapt (default: mlx-lm's choice)"
+    )
     seed: int = option(0, "random seed: the adapter's start, the data order, dropout")
-    adapter_path: str | None = option(None, "folder for the adapter, checkpoints and report "
-                                      "(default: runs/<model>-<time>)")  # fmt: skip
+    adapter_path: str | None = option(
+        None, "folder for the adapter, checkpoints and report (default: runs/<model>-<time>)"
+    )
     save_every: int = option(0, "windows between checkpoints (0 = each epoch's end)")
     steps_per_eval: int = option(0, "windows between evaluations (0 = each epoch's end only)")
     resume: bool = option(False, "continue the run in the adapter path from its newest checkpoint")
     overwrite: bool = option(False, "replace another run in the adapter path")
     on_nan: str = option("stop", "a NaN or infinite loss or gradient: stop, or skip the window")
-    val_split: float = option(0.1, "fraction of train.jsonl held out when there is no "
-                              "valid.jsonl")  # fmt: skip
-    fit: str = option("left", "an over-long example keeps its left part, or its start and end "
-                      "(middle)")  # fmt: skip
+    val_split: float = option(0.1, "fraction of train.jsonl held out when there is no valid.jsonl")
+    fit: str = option(
+        "left", "an over-long example keeps its left part, or its start and end (middle)"
+    )
     mask_prompt: bool = option(True, "prompts and other turns are context, not labels", flag=False)
-    follow_runs: bool = option(False, "no chunk crosses a change of label (the plan's strict "
-                               "rule)")  # fmt: skip
+    follow_runs: bool = option(False, "no chunk crosses a change of label (the plan's strict rule)")
     progress: bool = option(True, "a progress bar per window", flag=False)
-    backend: str = option("mlx", "mlx, or torch: a local transformers folder trained with PEFT "
-                          "through the torch walk (extra [torch]; CUDA when present)",
-                          plan=True)  # fmt: skip
+    backend: str = option(
+        "mlx",
+        "mlx, or torch: a local transformers folder trained with PEFT "
+        "through the torch walk (extra [torch]; CUDA when present)",
+        plan=True,
+    )
 
     def check(self) -> TrainConfig:
         for f in fields(self):  # a YAML file gives strings for some numbers ("1e-5") or worse
             setattr(self, f.name, coerce(f.name, getattr(self, f.name), str(f.type)))
         if self.walk not in ("exact", "plain"):
-            raise PlanError(f"walk {self.walk!r} cannot train; choose exact or plain")
+            raise ConfigError(f"walk {self.walk!r} cannot train; choose exact or plain")
         choice("optimizer", self.optimizer, OPTIMIZERS)
         if self.lr_schedule is not None:
             choice("lr_schedule", self.lr_schedule, SCHEDULES)
@@ -161,21 +181,24 @@ class TrainConfig:
         for name in ("lr", "scale", "host_budget_mib", "memory_budget_mib", "grad_clip"):
             positive(name, getattr(self, name))
         if self.weight_decay is not None and not 0 <= self.weight_decay < 1:
-            raise PlanError(f"--weight-decay must be in [0, 1), got {self.weight_decay}")
+            raise ConfigError(f"--weight-decay must be in [0, 1), got {self.weight_decay}")
         if self.weight_decay and self.optimizer == "adam":
-            raise PlanError("--weight-decay: adam has none; use --optimizer adamw")
+            raise ConfigError("--weight-decay: adam has none; use --optimizer adamw")
         if not 0 <= self.dropout < 1:
-            raise PlanError(f"--dropout must be in [0, 1), got {self.dropout}")
+            raise ConfigError(f"--dropout must be in [0, 1), got {self.dropout}")
         if not 0 <= self.val_split < 1:
-            raise PlanError(f"--val-split must be in [0, 1), got {self.val_split}")
+            raise ConfigError(f"--val-split must be in [0, 1), got {self.val_split}")
         if self.targets is not None and not all(t.strip() for t in self.targets):
-            raise PlanError("--targets must name module keys such as self_attn.q_proj")
+            raise ConfigError("--targets must name module keys such as self_attn.q_proj")
         if self.resume and self.overwrite:
-            raise PlanError("--resume continues the run in the adapter path, --overwrite replaces "
-                            "it: give one")  # fmt: skip
+            raise ConfigError(
+                "--resume continues the run in the adapter path, --overwrite replaces it: give one"
+            )
         if self.walk == "plain" and self.windows_per_step > 1:
-            raise PlanError("--windows-per-step: the plain walk steps once per chunk; combining "
-                            "windows takes the exact walk")  # fmt: skip
+            raise ConfigError(
+                "--windows-per-step: the plain walk steps once per chunk; combining "
+                "windows takes the exact walk"
+            )
         check_cache_type(self.cache_type)
         return self
 

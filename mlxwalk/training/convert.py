@@ -18,7 +18,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..plan import PlanError
+from ..errors import FolderError, ModelError
 from .files import TMP_MARK, load_safetensors
 
 PEFT_WEIGHTS, MLX_WEIGHTS, CONFIG = (
@@ -39,14 +39,14 @@ def kind(folder: Path) -> str:
         return "peft"
     if (folder / MLX_WEIGHTS).is_file():
         return "mlx"
-    raise PlanError(f"{folder}: no adapter there (neither {PEFT_WEIGHTS} nor {MLX_WEIGHTS})")
+    raise ModelError(f"{folder}: no adapter there (neither {PEFT_WEIGHTS} nor {MLX_WEIGHTS})")
 
 
 def _config(folder: Path) -> dict:
     try:
         return json.loads((Path(folder) / CONFIG).read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise PlanError(f"{Path(folder) / CONFIG}: cannot be read ({e})") from None
+        raise ModelError(f"{Path(folder) / CONFIG}: cannot be read ({e})") from None
 
 
 def _layer_count(model: Path) -> int:
@@ -99,14 +99,18 @@ def tensor_rank(weights: dict, src: Path, said: int, rank_axis: dict[str, int]) 
     found = set(ranks.values())
     if len(found) > 1:
         name = min(ranks, key=lambda k: (ranks[k], k))
-        raise PlanError(f"{src}: its LoRA tensors disagree on the rank ({sorted(found)}; "
-                        f"{name} has {ranks[name]})")  # fmt: skip
+        raise ModelError(
+            f"{src}: its LoRA tensors disagree on the rank ({sorted(found)}; "
+            f"{name} has {ranks[name]})"
+        )
     rank = found.pop() if found else said
     if rank != said:
         name = min(ranks)
-        raise PlanError(f"{src}: {CONFIG} says rank {said}, but its tensors have rank {rank} "
-                        f"({name} is {tuple(weights[name].shape)}); fix the config or the "
-                        "adapter")  # fmt: skip
+        raise ModelError(
+            f"{src}: {CONFIG} says rank {said}, but its tensors have rank {rank} "
+            f"({name} is {tuple(weights[name].shape)}); fix the config or the "
+            "adapter"
+        )
     return rank
 
 
@@ -115,19 +119,19 @@ def peft_to_mlx(src: Path, model: Path | None = None) -> tuple[dict, dict]:
     layer count comes from the base model's config.json (`model`, else the folder PEFT names)."""
     cfg = _config(src)
     if cfg.get("peft_type", "").upper() != "LORA" or cfg.get("use_dora"):
-        raise PlanError(f"{src}: a {cfg.get('peft_type')} adapter; only LoRA converts")
+        raise ModelError(f"{src}: a {cfg.get('peft_type')} adapter; only LoRA converts")
     r, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
     scale = alpha / (math.sqrt(r) if cfg.get("use_rslora") else r)
     model = Path(model or cfg.get("base_model_name_or_path") or "")
     if not (model / "config.json").is_file():
-        raise PlanError(f"{src}: give the base model's folder (--model) to count its layers")
+        raise ModelError(f"{src}: give the base model's folder (--model) to count its layers")
     total = _layer_count(model)
     stems = _stems(model)
     weights, layers, keys = {}, set(), set()
     for name, w in load_safetensors(Path(src) / PEFT_WEIGHTS).items():
         m = _PEFT_KEY.match(name)
         if m is None:
-            raise PlanError(f"{src}: {name} is not a LoRA weight of a decoder layer")
+            raise ModelError(f"{src}: {name} is not a LoRA weight of a decoder layer")
         path, layer, key, ab = m.groups()
         path = _restem(path, stems, to_mlx=True)
         weights[f"{path}.lora_{ab.lower()}"] = w.T  # A (r, in) -> lora_a (in, r); B likewise
@@ -136,7 +140,7 @@ def peft_to_mlx(src: Path, model: Path | None = None) -> tuple[dict, dict]:
     tensor_rank(weights, src, r, {"a": 1, "b": 0})  # lora_a (in, r), lora_b (r, out)
     n = len(layers)
     if sorted(layers) != list(range(total - n, total)):
-        raise PlanError(
+        raise ModelError(
             f"{src}: adapters on layers {sorted(layers)} are not the model's last "
             f"{n} of {total}, the only set mlx-lm's adapter_config names"
         )
@@ -153,7 +157,7 @@ def mlx_to_peft(src: Path, model: Path | None = None) -> tuple[dict, dict]:
     """(weights, config) in PEFT's format, alpha = scale x r, the layers named explicitly."""
     cfg = _config(src)
     if cfg.get("fine_tune_type", "lora") != "lora":
-        raise PlanError(f"{src}: a {cfg['fine_tune_type']} adapter; only LoRA converts")
+        raise ModelError(f"{src}: a {cfg['fine_tune_type']} adapter; only LoRA converts")
     lp = cfg["lora_parameters"]
     r, scale = int(lp["rank"]), float(lp["scale"])
     stems = _stems(model)
@@ -161,7 +165,7 @@ def mlx_to_peft(src: Path, model: Path | None = None) -> tuple[dict, dict]:
     for name, w in load_safetensors(Path(src) / MLX_WEIGHTS).items():
         m = _MLX_KEY.match(name)
         if m is None:
-            raise PlanError(f"{src}: {name} is not a LoRA weight of a decoder layer")
+            raise ModelError(f"{src}: {name} is not a LoRA weight of a decoder layer")
         path, layer, key, ab = m.groups()
         path = _restem(path, stems, to_mlx=False)
         weights[f"base_model.model.{path}.lora_{ab.upper()}.weight"] = w.T
@@ -193,7 +197,7 @@ def convert(src: Path, dst: Path, model: Path | None = None) -> str:
     src, dst = Path(src), Path(dst)
     source = kind(src)
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
-        raise PlanError(f"{dst} exists and is not an empty folder")
+        raise FolderError(f"{dst} exists and is not an empty folder")
     weights, config = (peft_to_mlx if source == "peft" else mlx_to_peft)(src, model)
     target = "mlx" if source == "peft" else "peft"
     dst.parent.mkdir(parents=True, exist_ok=True)

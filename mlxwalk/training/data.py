@@ -27,15 +27,12 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import DataError
 from . import chat
 
 FITS = ("left", "middle")
 ROLES = ("system", "developer", "user", "assistant", "tool")
 QUOTE_LIMIT = 200  # characters of an underlying error message kept in a DataError
-
-
-class DataError(ValueError):
-    """Bad training data, named in one line."""
 
 
 @dataclass
@@ -85,9 +82,14 @@ class Dataset:
     def fitted(self, window: int, how: str = "left") -> Dataset:
         """Every example cut to `window` positions (`fit`); one left with no label is cut away."""
         out = Dataset(
-            [], self.skipped, self.truncated, self.source, self.cut_away,
-            list(self.skipped_where), list(self.cut_away_where),
-        )  # fmt: skip
+            [],
+            self.skipped,
+            self.truncated,
+            self.source,
+            self.cut_away,
+            list(self.skipped_where),
+            list(self.cut_away_where),
+        )
         for example in self.examples:
             if example.trainable == 0:  # had none to begin with (a hand-made Dataset)
                 out.skip(example)
@@ -182,10 +184,6 @@ def _parse(line: str, path: Path, number: int) -> dict:
     return row
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    return [row for _, row in numbered_rows(path)]
-
-
 def numbered_rows(path: Path) -> list[tuple[int, dict]]:
     """(line number, row) of each non-blank line; read as bytes so bad UTF-8 is named by line."""
     try:
@@ -246,8 +244,10 @@ def _positions(tokenizer, text: str, ids, starts, span, where) -> tuple[int, int
         return first, end
     head, upto = _encode(tokenizer, text[:a], where), _encode(tokenizer, text[:b], where)
     if ids[: len(upto)] != upto or upto[: len(head)] != head:
-        raise DataError(f"{where}: a turn's edge falls inside a token, and the tokenizer gives "
-                        "no offsets to place it")  # fmt: skip
+        raise DataError(
+            f"{where}: a turn's edge falls inside a token, and the tokenizer gives "
+            "no offsets to place it"
+        )
     return len(head), len(upto)
 
 
@@ -313,9 +313,12 @@ def _turn(tokenizer, clean: list[dict], i: int, tools, where: str, whole: str) -
         head, before = _before(tokenizer, clean, i, tools, where, whole, [m["content"].strip()])
         try:
             span = chat.marked_span(
-                whole, _render(tokenizer, marked, tools, where), head, before,
+                whole,
+                _render(tokenizer, marked, tools, where),
+                head,
+                before,
                 _render(tokenizer, marked[: i + 1], tools, where),
-            )  # fmt: skip
+            )
         except ValueError as e:
             raise DataError(f"{where}: message {i} (assistant) can't be labelled: {e}") from None
         if span is not None:
@@ -449,8 +452,10 @@ def load(
 def check_folder(folder) -> Path:
     path = Path(folder)
     if path.is_file():
-        raise DataError(f"--data {path} is a file; give the folder that holds train.jsonl (and "
-                        "optionally valid.jsonl)")  # fmt: skip
+        raise DataError(
+            f"--data {path} is a file; give the folder that holds train.jsonl (and "
+            "optionally valid.jsonl)"
+        )
     if not path.is_dir():
         raise DataError(f"data folder {path} does not exist")
     if not (path / "train.jsonl").exists():

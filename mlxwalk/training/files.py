@@ -20,7 +20,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..plan import PlanError
+from ..errors import ConfigError, FolderError, ModelError
 
 TMP_MARK = ".tmp-"
 
@@ -75,7 +75,7 @@ def load_safetensors(path: Path) -> dict:
             return mx.load(f, format="safetensors")
         except (RuntimeError, ValueError) as e:
             why = str(e).split("] ", 1)[-1]
-            raise PlanError(f"{path} is not a readable safetensors file ({why})") from None
+            raise ModelError(f"{path} is not a readable safetensors file ({why})") from None
 
 
 def load_json(path: Path) -> dict:
@@ -83,9 +83,9 @@ def load_json(path: Path) -> dict:
     try:
         value = json.loads(Path(path).read_text())
     except ValueError as e:
-        raise PlanError(f"{path} is not valid JSON ({e})") from None
+        raise ConfigError(f"{path} is not valid JSON ({e})") from None
     if not isinstance(value, dict):
-        raise PlanError(f"{path} holds no JSON object")
+        raise ConfigError(f"{path} holds no JSON object")
     return value
 
 
@@ -150,7 +150,7 @@ class FolderLock:
             except BlockingIOError:
                 owner = os.read(fd, 200).decode(errors="replace").strip() or "owner unknown"
                 os.close(fd)
-                raise PlanError(
+                raise FolderError(
                     f"adapter path {self.path.parent} is in use by another run ({owner}); wait "
                     "for it to end, or choose another --adapter-path"
                 ) from None
@@ -165,7 +165,7 @@ class FolderLock:
                 self.fd = fd
                 return
             os.close(fd)
-        raise PlanError(f"adapter path {self.path.parent}: its lock keeps changing hands")
+        raise FolderError(f"adapter path {self.path.parent}: its lock keeps changing hands")
 
     def __del__(self) -> None:  # a run object dropped without ending (an API caller's)
         self.release()

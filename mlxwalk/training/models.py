@@ -8,9 +8,10 @@ import struct
 from pathlib import Path
 
 from .. import tiny
+from ..errors import ModelError
 
 
-class ModelNotFound(FileNotFoundError):
+class ModelNotFound(ModelError):
     pass
 
 
@@ -51,20 +52,26 @@ def load(
 
     folder = resolve(model)
     if tokenizer and not any((folder / name).exists() for name in TOKENIZER_FILES):
-        raise ModelNotFound(f"model folder {folder} has no tokenizer (none of "
-                            f"{', '.join(TOKENIZER_FILES)}): reading text needs one")  # fmt: skip
+        raise ModelNotFound(
+            f"model folder {folder} has no tokenizer (none of "
+            f"{', '.join(TOKENIZER_FILES)}): reading text needs one"
+        )
     try:
-        return mlx_lm.load(str(folder), adapter_path=adapter_path,
-                           tokenizer_config={"trust_remote_code": trust_remote_code},
-                           trust_remote_code=trust_remote_code)  # fmt: skip
+        return mlx_lm.load(
+            str(folder),
+            adapter_path=adapter_path,
+            tokenizer_config={"trust_remote_code": trust_remote_code},
+            trust_remote_code=trust_remote_code,
+        )
     except json.JSONDecodeError as e:
         raise BadModel(f"{_json_file(folder, adapter_path)} is not valid JSON ({e})") from None
     except TypeError as e:  # the model type's ModelArgs lacks a required field
         if "required" not in str(e):
             raise
         missing = str(e).split("argument", 1)[-1].strip(": s")
-        raise BadModel(f"{folder / 'config.json'} lacks {missing}, which its model type "
-                       "needs") from None  # fmt: skip
+        raise BadModel(
+            f"{folder / 'config.json'} lacks {missing}, which its model type needs"
+        ) from None
     except (RuntimeError, ValueError) as e:
         if "safetensors" not in str(e):
             raise
@@ -72,7 +79,7 @@ def load(
         raise BadModel(f"{where} can't be read: {str(e).split('] ', 1)[-1]}") from None
 
 
-class BadModel(ValueError):
+class BadModel(ModelError):
     """A model folder mlx-lm can't load, named by the file at fault."""
 
 
@@ -97,8 +104,9 @@ def damaged(folder: Path) -> Path | None:
             with open(file, "rb") as f:
                 (size,) = struct.unpack("<Q", f.read(8))
                 header = json.loads(f.read(size))
-            end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"),
-                      default=0)  # fmt: skip
+            end = max(
+                (v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0
+            )
             if 8 + size + end > file.stat().st_size:
                 return file
         except (OSError, ValueError, KeyError, TypeError, struct.error):

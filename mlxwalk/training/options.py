@@ -7,7 +7,7 @@ import argparse
 from dataclasses import fields
 from pathlib import Path
 
-from ..plan import PlanError
+from ..errors import ConfigError
 from .config import TrainConfig
 
 
@@ -52,17 +52,17 @@ def read_mapping(path: str, known: set[str]) -> dict:
 
     file = Path(path)
     if not file.exists():
-        raise PlanError(f"config file {file} does not exist")
+        raise ConfigError(f"config file {file} does not exist")
     try:
         values = yaml.load(file.read_text(), yaml_loader) or {}
     except yaml.YAMLError as e:
-        raise PlanError(f"{file}: not valid YAML ({str(e).splitlines()[0]})") from None
+        raise ConfigError(f"{file}: not valid YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(values, dict):
-        raise PlanError(f"{file}: expected a mapping of options")
+        raise ConfigError(f"{file}: expected a mapping of options")
     values = {str(k).replace("-", "_"): v for k, v in values.items()}
     for key in values:
         if key not in known:
-            raise PlanError(f"{file}: unknown key {key!r}")
+            raise ConfigError(f"{file}: unknown key {key!r}")
     return values
 
 

@@ -21,13 +21,13 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..plan import PlanError
+from ..errors import RanksError
 
 MESSAGE_BYTES = 400  # a failure's words, per rank
 LEADER_FIRST_S = 2.0  # how long the other ranks wait to exit after a failure, leader first
 
 
-class RankFailed(PlanError):
+class RankFailed(RanksError):
     """One rank failed; every rank raises this, naming it and its cause."""
 
 

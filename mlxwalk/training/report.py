@@ -21,8 +21,14 @@ class Progress:
         self.live = enabled and sys.stderr.isatty()
         self.lines = enabled and not self.live
         self.total, self.done = total, initial
-        self.bar = tqdm(total=total, initial=initial, unit="window", disable=not self.live,
-                        file=sys.stderr, dynamic_ncols=True)  # fmt: skip
+        self.bar = tqdm(
+            total=total,
+            initial=initial,
+            unit="window",
+            disable=not self.live,
+            file=sys.stderr,
+            dynamic_ncols=True,
+        )
         self.last = ""
 
     def chunk(self, phase: str, done: int, of: int) -> None:
@@ -60,10 +66,14 @@ def epoch_line(e) -> str:
     part = f" (partial: {e.windows} windows, stopped by --iters)" if e.partial else ""
     cut = ""
     if e.windows_narrowed:
-        cut = (f"; {e.windows_narrowed} window(s) not exact: the memory budget narrowed the "
-               f"horizon to as few as {e.smallest_horizon} positions")  # fmt: skip
-    return (f"epoch {e.epoch}{part}: train_loss {e.train_loss:.4f}, eval_loss {ev}, "
-            f"{e.seconds:.1f} s, {e.train_tok_s:,.0f} tok/s{cut}")  # fmt: skip
+        cut = (
+            f"; {e.windows_narrowed} window(s) not exact: the memory budget narrowed the "
+            f"horizon to as few as {e.smallest_horizon} positions"
+        )
+    return (
+        f"epoch {e.epoch}{part}: train_loss {e.train_loss:.4f}, eval_loss {ev}, "
+        f"{e.seconds:.1f} s, {e.train_tok_s:,.0f} tok/s{cut}"
+    )
 
 
 def table(epochs: list[dict]) -> str:
@@ -73,8 +83,10 @@ def table(epochs: list[dict]) -> str:
     ]
     for e in epochs:
         ev = "n/a" if e["eval_loss"] is None else f"{e['eval_loss']:.4f}"
-        rows.append(f"| {e['epoch']} | {e['train_loss']:.4f} | {ev} | {e['seconds']:.1f} |"
-                    f" {e['train_tok_s']:,.0f} |")  # fmt: skip
+        rows.append(
+            f"| {e['epoch']} | {e['train_loss']:.4f} | {ev} | {e['seconds']:.1f} |"
+            f" {e['train_tok_s']:,.0f} |"
+        )
     return "\n".join(rows)
 
 

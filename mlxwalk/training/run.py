@@ -27,7 +27,8 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_map
 
-from ..plan import MIB, PlanError
+from ..errors import ConfigError, FolderError, RanksError
+from ..plan import MIB
 from ..walk import (
     Window,
     apply_step,
@@ -71,11 +72,13 @@ def writable(folder: Path) -> Path:
     while not probe.exists():
         probe = probe.parent
     if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
-        raise PlanError(f"adapter path {folder} is not writable ({probe} is not a writable folder)")
+        raise FolderError(
+            f"adapter path {folder} is not writable ({probe} is not a writable folder)"
+        )
     return folder
 
 
-class WriteFailed(PlanError):
+class WriteFailed(FolderError):
     """A write the run could not make (a full disk), said with what of the run is kept."""
 
 
@@ -86,7 +89,7 @@ def try_write(folder: Path) -> None:
     try:
         save_safetensors(probe, {"check": mx.zeros((1,))})
     except (OSError, RuntimeError) as e:
-        raise PlanError(f"adapter path {folder} can't be written ({e})") from None
+        raise FolderError(f"adapter path {folder} can't be written ({e})") from None
     finally:
         probe.unlink(missing_ok=True)
 
@@ -97,11 +100,14 @@ def refuse_overlap(out: Path, model: Path, data_folder: Path) -> None:
     for what, other in (("model", model), ("data", data_folder)):
         theirs = Path(other).resolve()
         if mine == theirs or theirs in mine.parents:
-            raise PlanError(f"adapter path {out} is inside the {what} folder {other}; choose "
-                            "another --adapter-path")  # fmt: skip
+            raise FolderError(
+                f"adapter path {out} is inside the {what} folder {other}; choose "
+                "another --adapter-path"
+            )
         if mine in theirs.parents:
-            raise PlanError(f"adapter path {out} holds the {what} folder {other}; choose "
-                            "another --adapter-path")  # fmt: skip
+            raise FolderError(
+                f"adapter path {out} holds the {what} folder {other}; choose another --adapter-path"
+            )
 
 
 def make_optimizer(cfg: TrainConfig, steps: int):
@@ -112,11 +118,13 @@ def make_optimizer(cfg: TrainConfig, steps: int):
     lr = cfg.lr
     decay = max(steps - cfg.warmup - 1, 1)  # mlx-lm's schedule starts decaying after the warmup
     if cfg.lr_schedule == "cosine_decay":
-        lr = build_schedule({"name": "cosine_decay", "arguments": [cfg.lr, decay],
-                             "warmup": cfg.warmup})  # fmt: skip
+        lr = build_schedule(
+            {"name": "cosine_decay", "arguments": [cfg.lr, decay], "warmup": cfg.warmup}
+        )
     elif cfg.lr_schedule == "linear_schedule":
-        lr = build_schedule({"name": "linear_schedule", "arguments": [cfg.lr, 0.0, decay],
-                             "warmup": cfg.warmup})  # fmt: skip
+        lr = build_schedule(
+            {"name": "linear_schedule", "arguments": [cfg.lr, 0.0, decay], "warmup": cfg.warmup}
+        )
     elif cfg.warmup:
         lr = optim.linear_schedule(0.0, cfg.lr, cfg.warmup)
     wd = {} if cfg.weight_decay is None else {"weight_decay": cfg.weight_decay}
@@ -140,8 +148,10 @@ class Run:
         self.echo = echo if self.ranks.leader else quiet  # one voice: the rank that writes
         echo = self.echo
         if cfg.walk == "plain" and self.ranks.size > 1:
-            raise PlanError("--walk plain steps once per chunk; across ranks only the exact "
-                            "walk's steps combine")  # fmt: skip
+            raise RanksError(
+                "--walk plain steps once per chunk; across ranks only the exact "
+                "walk's steps combine"
+            )
         self.out = writable(Path(cfg.adapter_path or default_path(cfg.model)))
         data_folder = data.check_folder(cfg.data) if cfg.data else samples.folder()
         refuse_overlap(self.out, models.resolve(cfg.model), data_folder)
@@ -167,7 +177,7 @@ class Run:
         check_cache_type(cfg.cache_type, self.layout.head_dims)
         self.limit = models.max_positions(self.model)
         if cfg.window is not None and self.limit is not None and cfg.window > self.limit:
-            raise PlanError(
+            raise ConfigError(
                 f"--window {cfg.window} exceeds the model's maximum positions ({self.limit})"
             )
         loaded = windows.load(cfg, data_folder, self.tokenizer, self.layout.vocab, self.limit, echo)
@@ -189,8 +199,10 @@ class Run:
         self.bar = None
         self.rescued: Path | None = None  # where a failed write's adapter went instead
         if cfg.optimizer != "sgd" and cfg.lr > LR_WARN:
-            echo(f"warning: --lr {cfg.lr:g} is far above what Adam trains LoRA with (1e-6 to "
-                 "1e-3); expect the loss to diverge")  # fmt: skip
+            echo(
+                f"warning: --lr {cfg.lr:g} is far above what Adam trains LoRA with (1e-6 to "
+                "1e-3); expect the loss to diverge"
+            )
         self.largest = self._admit()
         self.memory = self.largest.estimate if self.largest else None
         files = [data_folder / "train.jsonl", data_folder / "valid.jsonl"]
@@ -233,10 +245,15 @@ class Run:
         last, self.position = self.folder.load(self.model, self.optimizer)
         p = self.position
         if (p.epoch >= self.cfg.epochs or p.windows >= self.total) and self.reported(p.windows):
-            done = (f"its {p.epoch} epoch(s)" if p.epoch >= self.cfg.epochs
-                    else f"the {p.windows} windows --iters asks for")  # fmt: skip
-            raise PlanError(f"--resume: the run in {self.out} has already trained {done}; raise "
-                            "--epochs or --iters to train on")  # fmt: skip
+            done = (
+                f"its {p.epoch} epoch(s)"
+                if p.epoch >= self.cfg.epochs
+                else f"the {p.windows} windows --iters asks for"
+            )
+            raise FolderError(
+                f"--resume: the run in {self.out} has already trained {done}; raise "
+                "--epochs or --iters to train on"
+            )
         if self.cfg.lr_schedule or self.cfg.warmup:  # the schedule goes on from the saved step
             return last
         was = float(self.optimizer.learning_rate)
@@ -267,9 +284,12 @@ class Run:
             if self.cfg.iters is None:
                 return self.cfg.epochs * per_epoch
             return min(self.cfg.epochs * per_epoch, math.ceil(self.cfg.iters / self.per_step))
-        per = [1 if self.cfg.walk == "exact" else
-               max(1, len({int(i) // self.cfg.chunk for i in np.flatnonzero(e.weights)}))
-               for e in examples]  # fmt: skip
+        per = [
+            1
+            if self.cfg.walk == "exact"
+            else max(1, len({int(i) // self.cfg.chunk for i in np.flatnonzero(e.weights)}))
+            for e in examples
+        ]
         every = self.cfg.epochs * sum(per)
         if self.cfg.iters is None:
             return every
@@ -302,8 +322,10 @@ class Run:
             if self.resumed_from is None:
                 self.folder.start(self.identity)
         if self.resumed_from is not None:
-            self.echo(f"resumed from {self.resumed_from} (epoch {self.position.epoch + 1}, "
-                      f"window {self.position.windows})")  # fmt: skip
+            self.echo(
+                f"resumed from {self.resumed_from} (epoch {self.position.epoch + 1}, "
+                f"window {self.position.windows})"
+            )
         try:
             self.loop()
             if self.ranks.leader:
@@ -319,12 +341,17 @@ class Run:
     def lost_write(self, e: OSError) -> str:
         """What a failed write means to the user: which path, and what of the run is kept."""
         where = e.filename or self.out
-        said = (f"no space left on {where}" if e.errno == errno.ENOSPC
-                else f"can't write {where} ({e.strerror or e})")  # fmt: skip
+        said = (
+            f"no space left on {where}"
+            if e.errno == errno.ENOSPC
+            else f"can't write {where} ({e.strerror or e})"
+        )
         saved = self.folder.complete()
         if saved:
-            return (f"{said}; checkpoint {saved[-1]} is intact: once that is mended, run the same "
-                    f"command with --resume --adapter-path {self.out}")  # fmt: skip
+            return (
+                f"{said}; checkpoint {saved[-1]} is intact: once that is mended, run the same "
+                f"command with --resume --adapter-path {self.out}"
+            )
         if self.rescued:
             return f"{said}; the adapter trained so far is saved to {self.rescued} instead"
         if self.position.windows:
@@ -387,16 +414,22 @@ class Run:
         process: raised at once); a non-finite window marks the step."""
         slots, cfg, p = len(examples), self.cfg, self.position
         combine = weighs(slots, self.ranks.size)
-        part = StepSum(tree_map(mx.zeros_like, self.model.trainable_parameters()),
-                       *(np.zeros(slots, np.float32) for _ in range(3)))  # fmt: skip
+        part = StepSum(
+            tree_map(mx.zeros_like, self.model.trainable_parameters()),
+            *(np.zeros(slots, np.float32) for _ in range(3)),
+        )
         error = None
         for i in self.ranks.mine(list(range(slots)), cfg.windows_per_step):
             ex = examples[i]
             window = Window.of(ex.inputs, ex.targets, ex.weights)
             try:
-                walk, grads = exact_gradient(self.model, window,
-                                             cfg.walk_config(seed=cfg.seed + p.windows + i),
-                                             self.bar.chunk, self.layout)  # fmt: skip
+                walk, grads = exact_gradient(
+                    self.model,
+                    window,
+                    cfg.walk_config(seed=cfg.seed + p.windows + i),
+                    self.bar.chunk,
+                    self.layout,
+                )
             except NonFinite as e:
                 part.finite, error = False, None
                 self.nan = e
@@ -422,21 +455,25 @@ class Run:
         narrowed = [int(h) for h in horizons if h]
         trainable = sum(ex.trainable for ex in examples)
         self.position = replace(
-            p, index=p.index + len(examples), windows=p.windows + len(examples),
+            p,
+            index=p.index + len(examples),
+            windows=p.windows + len(examples),
             loss_sum=p.loss_sum + sum(float(v) * ex.trainable for v, ex in zip(losses, examples)),
-            tokens=p.tokens + trainable, seconds=p.seconds + seconds,
+            tokens=p.tokens + trainable,
+            seconds=p.seconds + seconds,
             losses=[*p.losses, *(round(float(v), 6) for v in losses)],
             narrowed=p.narrowed + len(narrowed),
             horizon=min([p.horizon or min(narrowed), *narrowed]) if narrowed else p.horizon,
-        )  # fmt: skip
+        )
         self.peak = max(self.peak, peak)
         for j, (ex, loss, h) in enumerate(zip(examples, losses, horizons)):
             used = int(h) or cfg.horizon
             self.watch.window(p.windows + j + 1, ex.where, float(loss), used, peak)
         tokens = sum(len(ex) for ex in examples)
         shown = min(narrowed) if narrowed else None
-        self.bar.window(float(np.mean(losses)), tokens / seconds, peak / MIB, shown,
-                        windows=len(examples))  # fmt: skip
+        self.bar.window(
+            float(np.mean(losses)), tokens / seconds, peak / MIB, shown, windows=len(examples)
+        )
 
     def step_plain(self, example: data.Example) -> None:
         """One window by the plain walk, a step per labelled chunk (one process)."""
@@ -446,10 +483,16 @@ class Run:
         tic = time.perf_counter()
         mx.reset_peak_memory()
         try:
-            walk = train_window(self.model, self.optimizer, window,
-                                cfg.walk_config(seed=cfg.seed + p.windows), cfg.walk,
-                                on_chunk=self.bar.chunk, layout=self.layout,
-                                clip=cfg.grad_clip)  # fmt: skip
+            walk = train_window(
+                self.model,
+                self.optimizer,
+                window,
+                cfg.walk_config(seed=cfg.seed + p.windows),
+                cfg.walk,
+                on_chunk=self.bar.chunk,
+                layout=self.layout,
+                clip=cfg.grad_clip,
+            )
         except NonFinite as e:
             self.restore(self.undo[1])
             self.non_finite([example], e)
@@ -471,22 +514,30 @@ class Run:
     def non_finite(self, examples: list[data.Example], error: BaseException) -> None:
         p, n = self.position, len(examples)
         first = examples[0].where or "an example"
-        where = (f"window {p.windows + 1} (epoch {p.epoch + 1}, {first})" if n == 1 else
-                 f"the step on windows {p.windows + 1}-{p.windows + n} (epoch {p.epoch + 1}, "
-                 f"from {first})")  # fmt: skip
+        where = (
+            f"window {p.windows + 1} (epoch {p.epoch + 1}, {first})"
+            if n == 1
+            else f"the step on windows {p.windows + 1}-{p.windows + n} (epoch {p.epoch + 1}, "
+            f"from {first})"
+        )
         error = self.nan or error
         self.nan = None
         self.streak += 1
         if self.cfg.on_nan == "skip" and self.streak < SKIP_LIMIT:
             self.echo(f"warning: {where}: {error}; skipped (--on-nan skip), adapter unchanged")
-            self.position = replace(p, index=p.index + n, windows=p.windows + n,
-                                    skipped=p.skipped + n)  # fmt: skip
+            self.position = replace(
+                p, index=p.index + n, windows=p.windows + n, skipped=p.skipped + n
+            )
             return
         if self.cfg.on_nan == "skip":
-            raise NonFinite(f"{where}: {error}; the {SKIP_LIMIT}th window in a row that is not "
-                            f"finite, so the run stops. {self.kept()}")  # fmt: skip
-        raise NonFinite(f"{where}: {error}; stopped before its step. {self.kept()} Lower --lr, "
-                        "or pass --on-nan skip to skip such windows")  # fmt: skip
+            raise NonFinite(
+                f"{where}: {error}; the {SKIP_LIMIT}th window in a row that is not "
+                f"finite, so the run stops. {self.kept()}"
+            )
+        raise NonFinite(
+            f"{where}: {error}; stopped before its step. {self.kept()} Lower --lr, "
+            "or pass --on-nan skip to skip such windows"
+        )
 
     def kept(self) -> str:
         saved = self.folder.complete()
@@ -544,9 +595,17 @@ class Run:
         epoch = self.epoch_row()
         self.echo(report.epoch_line(epoch))
         p = self.position
-        self.position = replace(p, epoch=p.epoch + 1, index=0, loss_sum=0.0, tokens=0,
-                                seconds=0.0, epochs=[*p.epochs, asdict(epoch)], narrowed=0,
-                                horizon=0)  # fmt: skip
+        self.position = replace(
+            p,
+            epoch=p.epoch + 1,
+            index=0,
+            loss_sum=0.0,
+            tokens=0,
+            seconds=0.0,
+            epochs=[*p.epochs, asdict(epoch)],
+            narrowed=0,
+            horizon=0,
+        )
         self.checkpoint()
 
     # --- checkpoints and failure ----------------------------------------------------------------
@@ -574,9 +633,11 @@ class Run:
             if done and (not saved or not saved[-1].name.endswith(f"{done:07d}")):
                 saved.append(self.checkpoint())
             if saved:
-                error.args = (f"at window {done} of {self.total}; checkpoint {saved[-1]} holds "
-                              f"it: to continue, run the same command with --resume "
-                              f"--adapter-path {self.out}",)  # fmt: skip
+                error.args = (
+                    f"at window {done} of {self.total}; checkpoint {saved[-1]} holds "
+                    f"it: to continue, run the same command with --resume "
+                    f"--adapter-path {self.out}",
+                )
         if isinstance(error, OSError) and not self.folder.complete() and self.position.windows:
             self.rescued = self.rescue()
         if not self.folder.complete():
@@ -671,18 +732,24 @@ def train_run(cfg: TrainConfig, echo=say) -> dict:
     run = ranks.together(lambda: Run(cfg, echo, ranks))  # a refusal anywhere stops every rank
     echo = run.echo
     est = run.memory
-    echo(f"model {cfg.model} ({run.layout.model_type}), {len(run.train_set.examples)} training and "
-         f"{len(run.valid_set.examples)} validation windows of up to {run.window} tokens, "
-         f"chunk {cfg.chunk}, {cfg.walk} walk; adapter and report go to {run.out}")  # fmt: skip
+    echo(
+        f"model {cfg.model} ({run.layout.model_type}), {len(run.train_set.examples)} training and "
+        f"{len(run.valid_set.examples)} validation windows of up to {run.window} tokens, "
+        f"chunk {cfg.chunk}, {cfg.walk} walk; adapter and report go to {run.out}"
+    )
     if est is not None:
-        echo(f"memory estimate: {est.total / MIB:.1f} MiB (graph {est.graph / MIB:.1f}, K/V store "
-             f"{est.store / MIB:.1f}, host {est.host / MIB:.1f})")  # fmt: skip
+        echo(
+            f"memory estimate: {est.total / MIB:.1f} MiB (graph {est.graph / MIB:.1f}, K/V store "
+            f"{est.store / MIB:.1f}, host {est.host / MIB:.1f})"
+        )
     elif run.largest is not None:
         plan = run.largest.plan
         store = budget.store_bytes(run.layout, plan.computed, cfg.cache_type)
-        echo(f"memory: K/V store {store / MIB:.1f} MiB, accumulators and checkpoints "
-             f"{plan.host_bytes / MIB:.1f} MiB, beside the weights and one chunk's graph "
-             "(mlxwalk plan estimates it all)")  # fmt: skip
+        echo(
+            f"memory: K/V store {store / MIB:.1f} MiB, accumulators and checkpoints "
+            f"{plan.host_bytes / MIB:.1f} MiB, beside the weights and one chunk's graph "
+            "(mlxwalk plan estimates it all)"
+        )
     summary = run.train()
     echo(report.table(summary["epochs"]))
     curve = ", report and loss curve" if summary["epochs"] else " and report"

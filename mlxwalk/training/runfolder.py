@@ -19,7 +19,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..plan import PlanError
+from ..errors import FolderError
 from . import adapters
 from .files import load_safetensors, save_safetensors, sweep, write_text
 
@@ -48,10 +48,20 @@ class Position:
 
 
 # What must match for --resume to continue a run: (key in run.json, the flag that sets it).
-LORA_FLAGS = {"rank": "--rank", "scale": "--scale", "dropout": "--dropout",
-              "num_layers": "--num-layers", "keys": "--targets"}  # fmt: skip
-DATA_FLAGS = {"window": "--window", "fit": "--fit", "mask_prompt": "mask_prompt",
-              "val_split": "--val-split", "seed": "--seed"}  # fmt: skip
+LORA_FLAGS = {
+    "rank": "--rank",
+    "scale": "--scale",
+    "dropout": "--dropout",
+    "num_layers": "--num-layers",
+    "keys": "--targets",
+}
+DATA_FLAGS = {
+    "window": "--window",
+    "fit": "--fit",
+    "mask_prompt": "mask_prompt",
+    "val_split": "--val-split",
+    "seed": "--seed",
+}
 
 
 def files_digest(paths: list[Path]) -> str:
@@ -75,7 +85,7 @@ def identity(cfg, model_path: str, fingerprint: str, data_files: list[Path], win
             "dropout": lora.dropout,
             "num_layers": lora.num_layers,
             "keys": lora.keys,
-        },  # fmt: skip
+        },
         "walk": cfg.walk,
         "optimizer": cfg.optimizer,
         "data": {
@@ -85,7 +95,7 @@ def identity(cfg, model_path: str, fingerprint: str, data_files: list[Path], win
             "mask_prompt": cfg.mask_prompt,
             "val_split": cfg.val_split,
             "seed": cfg.seed,
-        },  # fmt: skip
+        },
     }
 
 
@@ -94,16 +104,19 @@ def mismatch(saved: dict, now: dict, folder: Path) -> str | None:
     was = f"the run in {folder} was"
     ranks, now_ranks = saved.get("ranks", 1), now.get("ranks", 1)
     if ranks != now_ranks:
-        return (f"{was} trained on {ranks} rank(s) (mlx.launch -n {ranks}); this launch has "
-                f"{now_ranks}: resume it with the same number of ranks")  # fmt: skip
+        return (
+            f"{was} trained on {ranks} rank(s) (mlx.launch -n {ranks}); this launch has "
+            f"{now_ranks}: resume it with the same number of ranks"
+        )
     steps, now_steps = saved.get("windows_per_step", 1), now.get("windows_per_step", 1)
     if steps != now_steps:
-        return (f"{was} trained with --windows-per-step {steps}; this one asks for "
-                f"{now_steps}")  # fmt: skip
+        return f"{was} trained with --windows-per-step {steps}; this one asks for {now_steps}"
     if saved["model"]["fingerprint"] != now["model"]["fingerprint"]:
-        return (f"{was} trained on model {saved['model']['path']} (weights "
-                f"{saved['model']['fingerprint']}); this one loads {now['model']['path']} "
-                f"(weights {now['model']['fingerprint']})")  # fmt: skip
+        return (
+            f"{was} trained on model {saved['model']['path']} (weights "
+            f"{saved['model']['fingerprint']}); this one loads {now['model']['path']} "
+            f"(weights {now['model']['fingerprint']})"
+        )
     for key, flag in LORA_FLAGS.items():
         if saved["lora"].get(key) != now["lora"].get(key):
             return f"{was} trained with {flag} {saved['lora'].get(key)}; this one asks for {now['lora'].get(key)}"  # noqa: E501
@@ -137,7 +150,7 @@ class RunFolder:
         if resume or not held:
             return
         if not overwrite:
-            raise PlanError(
+            raise FolderError(
                 f"adapter path {self.folder} holds another run ({', '.join(held)}); continue it "
                 "with --resume, replace it with --overwrite, or choose another --adapter-path"
             )
@@ -180,17 +193,17 @@ class RunFolder:
         manifest = self.folder / MANIFEST
         if not manifest.exists():
             what = "no checkpoint" if not self.held() else f"no {MANIFEST} (no run's identity)"
-            raise PlanError(f"--resume: {self.folder} holds {what}; nothing to resume")
+            raise FolderError(f"--resume: {self.folder} holds {what}; nothing to resume")
         try:
             saved = json.loads(manifest.read_text())
             self.run_id = saved["run"]
             problem = mismatch(saved, ident, self.folder)
         except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
-            raise PlanError(f"--resume: {manifest} is damaged; start a new run") from None
+            raise FolderError(f"--resume: {manifest} is damaged; start a new run") from None
         if problem:
-            raise PlanError(f"--resume: {problem}; start a new run or match it")
+            raise FolderError(f"--resume: {problem}; start a new run or match it")
         if not self.complete():
-            raise PlanError(f"--resume: no checkpoint of this run in {self.checkpoints}")
+            raise FolderError(f"--resume: no checkpoint of this run in {self.checkpoints}")
 
     # --- checkpoints ------------------------------------------------------------------------------
 
@@ -243,7 +256,7 @@ class RunFolder:
             moments = load_safetensors(last / "optimizer.safetensors")
             state = json.loads((last / "state.json").read_text())
         except (RuntimeError, OSError, ValueError) as e:
-            raise PlanError(f"--resume: checkpoint {last} can't be read ({e})") from None
+            raise FolderError(f"--resume: checkpoint {last} can't be read ({e})") from None
         adapters.load_strict(model, weights, str(last))
         optimizer.state = tree_unflatten(list(moments.items()))
         mx.eval(model.parameters(), optimizer.state)

@@ -15,9 +15,25 @@ import random
 from pathlib import Path
 
 TOPICS = [
-    "tides", "bread", "compilers", "owls", "glaciers", "chess", "lanterns", "rivers", "bees",
-    "clocks", "maps", "violins", "comets", "gardens", "bridges", "paper", "salt", "wind",
-]  # fmt: skip
+    "tides",
+    "bread",
+    "compilers",
+    "owls",
+    "glaciers",
+    "chess",
+    "lanterns",
+    "rivers",
+    "bees",
+    "clocks",
+    "maps",
+    "violins",
+    "comets",
+    "gardens",
+    "bridges",
+    "paper",
+    "salt",
+    "wind",
+]
 ASKS = [
     "Tell me something about {t}.",
     "What do you think of {t}?",

@@ -36,10 +36,12 @@ class Watch:
         if budget_bytes and peak > budget_bytes * (1 + BUDGET_MARGIN):
             self.over_budget += 1
             if self.over_budget == 1:
-                self.echo(f"warning: window {number} peaked at {peak / MIB:,.0f} MiB, past the "
-                          f"memory budget of {budget_bytes / MIB:,.0f} MiB by more than "
-                          f"{BUDGET_MARGIN:.0%} (counted in report.json: "
-                          "windows_over_budget)")  # fmt: skip
+                self.echo(
+                    f"warning: window {number} peaked at {peak / MIB:,.0f} MiB, past the "
+                    f"memory budget of {budget_bytes / MIB:,.0f} MiB by more than "
+                    f"{BUDGET_MARGIN:.0%} (counted in report.json: "
+                    "windows_over_budget)"
+                )
 
     def collapse(self, number: int, where: str, loss: float) -> None:
         """A loss that climbs to ln(vocabulary), what a uniform guess scores, from well below it:
@@ -49,7 +51,9 @@ class Watch:
             self.first_loss = loss
         elif self.collapsed is None and self.first_loss < 0.9 * uniform <= loss / 0.99:
             self.collapsed = number
-            self.echo(f"warning: window {number} ({where}): loss {loss:.3f} is that of a uniform "
-                      f"guess over the {self.vocab}-token vocabulary (ln {self.vocab} = "
-                      f"{uniform:.3f}), from {self.first_loss:.3f} at the first window: training "
-                      f"has diverged; lower --lr (now {self.cfg.lr:g})")  # fmt: skip
+            self.echo(
+                f"warning: window {number} ({where}): loss {loss:.3f} is that of a uniform "
+                f"guess over the {self.vocab}-token vocabulary (ln {self.vocab} = "
+                f"{uniform:.3f}), from {self.first_loss:.3f} at the first window: training "
+                f"has diverged; lower --lr (now {self.cfg.lr:g})"
+            )

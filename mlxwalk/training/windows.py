@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..plan import PlanError
+from ..errors import DataError
 from . import data
 
 
@@ -25,15 +25,17 @@ class Windows:
 def load(cfg, folder: Path, tokenizer, vocab: int, limit: int | None, echo) -> Windows:
     whole = data.load(folder, "train", tokenizer, None, mask_prompt=cfg.mask_prompt)
     if not whole.examples:
-        raise PlanError(f"no training example has a labelled token ({whole.source}: "
-                        f"{whole.skipped} rows, each skipped)")  # fmt: skip
+        raise DataError(
+            f"no training example has a labelled token ({whole.source}: "
+            f"{whole.skipped} rows, each skipped)"
+        )
     whole.check_ids(vocab)
     longest = max(len(e) for e in whole.examples)
     asked = cfg.window or cfg.chunk * math.ceil(longest / cfg.chunk)
     window = min(asked, limit) if limit else asked
     train = whole.fitted(window, cfg.fit)  # tokenized once, then cut
     if not train.examples:
-        raise PlanError(
+        raise DataError(
             f"every training example lost its labelled tokens when cut to the window of "
             f"{window} tokens ({train.cut_away} cut away, --fit {cfg.fit}); raise "
             "--window" + (" or try --fit middle" if cfg.fit == "left" else "")
@@ -47,8 +49,9 @@ def load(cfg, folder: Path, tokenizer, vocab: int, limit: int | None, echo) -> W
         valid = data.Dataset([train.examples[i] for i in order[:n_valid]])
         train.examples = [train.examples[i] for i in sorted(order[n_valid:])]
     if not train.examples:
-        raise PlanError(f"no training example is left after --val-split {cfg.val_split} "
-                        f"({train.source})")  # fmt: skip
+        raise DataError(
+            f"no training example is left after --val-split {cfg.val_split} ({train.source})"
+        )
     announce(train, "training", window, cfg.fit, echo)
     if valid.source:
         announce(valid, "validation", window, cfg.fit, echo)
@@ -58,14 +61,19 @@ def load(cfg, folder: Path, tokenizer, vocab: int, limit: int | None, echo) -> W
 def announce(ds: data.Dataset, what: str, window: int, fit: str, echo) -> None:
     """Every skip and cut, counted and placed, on the console."""
     if ds.skipped:
-        echo(f"data: {ds.skipped} {what} row(s) skipped, no labelled token: "
-             f"{few(ds.skipped_where)}")  # fmt: skip
+        echo(
+            f"data: {ds.skipped} {what} row(s) skipped, no labelled token: {few(ds.skipped_where)}"
+        )
     if ds.truncated:
-        echo(f"data: {ds.truncated} {what} example(s) longer than the window of {window} tokens "
-             f"cut (--fit {fit})")  # fmt: skip
+        echo(
+            f"data: {ds.truncated} {what} example(s) longer than the window of {window} tokens "
+            f"cut (--fit {fit})"
+        )
     if ds.cut_away:
-        echo(f"data: {ds.cut_away} {what} example(s) dropped, every label cut away: "
-             f"{few(ds.cut_away_where)}")  # fmt: skip
+        echo(
+            f"data: {ds.cut_away} {what} example(s) dropped, every label cut away: "
+            f"{few(ds.cut_away_where)}"
+        )
 
 
 def few(places: list[str], n: int = 3) -> str:

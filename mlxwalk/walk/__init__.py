@@ -23,6 +23,19 @@ from .exact import ExactWalk
 from .plain import PlainWalk
 from .runner import ChunkRunner, walking
 
-__all__ = ["ATTENTIONS", "WALKS", "ChunkRunner", "ExactWalk", "PlainWalk", "WalkConfig", "Window",
-           "apply_step", "exact_gradient", "one_graph", "train_window", "walking",
-           "window_gradient", "window_loss"]  # fmt: skip
+__all__ = [
+    "ATTENTIONS",
+    "WALKS",
+    "ChunkRunner",
+    "ExactWalk",
+    "PlainWalk",
+    "WalkConfig",
+    "Window",
+    "apply_step",
+    "exact_gradient",
+    "one_graph",
+    "train_window",
+    "walking",
+    "window_gradient",
+    "window_loss",
+]

@@ -9,8 +9,9 @@ import mlx.core as mx
 import mlx.optimizers as optim
 from mlx import nn
 
+from ..errors import ConfigError
 from ..ops.delta import fast_recurrence
-from ..plan import PlanError, cut
+from ..plan import cut
 from .config import WALKS, WalkConfig, Window
 from .exact import ExactWalk
 from .guards import NonFinite, check_finite  # noqa: F401  (NonFinite: raised from here)
@@ -68,7 +69,7 @@ def window_gradient(
     labelled position, chunk < 1, or lengths that differ.
     """
     if walk not in WALKS:
-        raise PlanError(f"walk {walk!r} is unknown; choose one of {', '.join(WALKS)}")
+        raise ConfigError(f"walk {walk!r} is unknown; choose one of {', '.join(WALKS)}")
     window = Window.of(inputs, targets, weights)
     config = WalkConfig(
         chunk=chunk,
@@ -120,7 +121,7 @@ def train_window(
         loss, _ = runner.run(step=step)
         runner.loss = loss.item()
     else:
-        raise PlanError(f"walk {walk!r} cannot train; choose exact or plain")
+        raise ConfigError(f"walk {walk!r} cannot train; choose exact or plain")
     mx.eval(model.parameters(), optimizer.state)
     return runner
 

@@ -15,14 +15,15 @@ from mlx import nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 
-from ..plan import Footprint, PlanError
+from ..errors import ModelError
+from ..plan import Footprint
 
 # Families whose attention goes through cache.update_and_fetch with a plain causal mask and whose
 # recurrent layers keep their state in an ArraysCache; each is exercised by the tests.
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_5", "qwen3_next")
 
 
-class UnsupportedModel(PlanError):
+class UnsupportedModel(ModelError):
     pass
 
 
@@ -100,8 +101,16 @@ def inspect(model: nn.Module) -> Layout:
             shapes.append(tuple(tuple(a.shape) for a in c.cache))
             dtypes.append(tuple(a.dtype for a in c.cache))
     vocab = min(logits.shape[-1], embedding_rows(model) or logits.shape[-1])
-    return Layout(name, tuple(kinds), tuple(kv), tuple(shapes), tuple(dtypes), dtype, vocab,
-                  hidden_size(model))  # fmt: skip
+    return Layout(
+        name,
+        tuple(kinds),
+        tuple(kv),
+        tuple(shapes),
+        tuple(dtypes),
+        dtype,
+        vocab,
+        hidden_size(model),
+    )
 
 
 def stem(model: nn.Module) -> int:
@@ -131,8 +140,11 @@ def hidden_size(model: nn.Module) -> int:
     lm = getattr(model, "language_model", model)
     args = getattr(lm, "args", None)
     for source in (args, getattr(args, "text_config", None)):
-        value = source.get("hidden_size") if isinstance(source, dict) else (
-            getattr(source, "hidden_size", None))  # fmt: skip
+        value = (
+            source.get("hidden_size")
+            if isinstance(source, dict)
+            else (getattr(source, "hidden_size", None))
+        )
         if isinstance(value, int):
             return value
     return 0

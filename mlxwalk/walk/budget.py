@@ -75,7 +75,7 @@ class Estimate:
                 ]
                 if self.inputs
                 else []
-            ),  # fmt: skip
+            ),
             f"  host: accumulators {mib(self.accumulators):>12}",
             f"  host: checkpoints  {mib(self.checkpoints):>12}",
             f"  total              {mib(self.total):>12}",

@@ -8,7 +8,8 @@ from functools import cached_property
 import mlx.core as mx
 import numpy as np
 
-from ..plan import MIB, Labels, PlanError
+from ..errors import ConfigError, DataError
+from ..plan import MIB, Labels
 from .accum import ACCUMULATOR_DTYPES
 from .store import check_cache_type
 
@@ -26,7 +27,8 @@ class WalkConfig:
     host_budget_mib: float | None = None
     memory_budget_mib: float | None = None  # all MLX holds while a window trains (budget.py)
     seed: int | None = None  # seeds dropout per chunk, identically in the decode and the graph
-    follow_runs: bool = True  # chunks never cross a change of weight (see plan.cut)
+    # chunks never cross a change of weight (plan.cut); off, as both front ends train, by default
+    follow_runs: bool = False
     accumulator_dtype: str = "float32"
     attention: str = "auto"  # "tiled" (chunk_attention), "fused" (mlx-lm's); auto: ops.attention
     strict_exact: bool = False  # refuse a window the memory budget would narrow the horizon of
@@ -36,24 +38,28 @@ class WalkConfig:
 
     def check(self) -> WalkConfig:
         if self.chunk < 1:
-            raise PlanError(f"chunk must be at least 1, got {self.chunk}")
+            raise ConfigError(f"chunk must be at least 1, got {self.chunk}")
         if self.horizon < 0:
-            raise PlanError(f"horizon must be 0 (the whole window) or positive, got {self.horizon}")
+            raise ConfigError(
+                f"horizon must be 0 (the whole window) or positive, got {self.horizon}"
+            )
         check_cache_type(self.cache_type)
         if self.attention not in ATTENTIONS:
-            raise PlanError(
+            raise ConfigError(
                 f"attention {self.attention!r} is unknown; choose one of {', '.join(ATTENTIONS)}"
             )
         if self.keep_inputs not in KEEP_INPUTS:
-            raise PlanError(
+            raise ConfigError(
                 f"keep-inputs {self.keep_inputs!r} is unknown; choose one of "
                 f"{', '.join(KEEP_INPUTS)}"
             )
         if self.keep_inputs == "on" and not self.recompute:
-            raise PlanError("--keep-inputs on: kept layer inputs serve --recompute's reverse "
-                            "pass; give --recompute too")  # fmt: skip
+            raise ConfigError(
+                "--keep-inputs on: kept layer inputs serve --recompute's reverse "
+                "pass; give --recompute too"
+            )
         if self.accumulator_dtype not in ACCUMULATOR_DTYPES:
-            raise PlanError(
+            raise ConfigError(
                 f"accumulator dtype {self.accumulator_dtype!r} is unknown; "
                 f"choose one of {', '.join(ACCUMULATOR_DTYPES)}"
             )
@@ -82,18 +88,18 @@ class Window:
         x, y = _ids("input", inputs), _ids("target", targets)
         w = _row("weights", np.asarray(weights))
         if not np.issubdtype(w.dtype, np.number) or np.issubdtype(w.dtype, np.complexfloating):
-            raise PlanError(f"weights must be real numbers, got {w.dtype}")
+            raise DataError(f"weights must be real numbers, got {w.dtype}")
         w = w.astype(np.float32)
         if not (len(x) == len(y) == len(w)):
-            raise PlanError(
+            raise DataError(
                 f"inputs, targets and weights differ in length ({len(x)}, {len(y)}, {len(w)})"
             )
         if not np.isfinite(w).all():
-            raise PlanError("weights must be finite (a NaN or infinite weight makes the loss NaN)")
+            raise DataError("weights must be finite (a NaN or infinite weight makes the loss NaN)")
         if (w < 0).any():
-            raise PlanError("weights must not be negative")
+            raise DataError("weights must not be negative")
         if not (w > 0).any():
-            raise PlanError("the window has no labelled position (every weight is 0)")
+            raise DataError("the window has no labelled position (every weight is 0)")
         return cls(x, y, w)
 
     @classmethod
@@ -133,7 +139,7 @@ def _row(name: str, values: np.ndarray) -> np.ndarray:
     if values.ndim == 2 and values.shape[0] == 1:
         return values[0]
     if values.ndim != 1:
-        raise PlanError(
+        raise DataError(
             f"{name} must be one window (1-D, or one row), got shape {tuple(values.shape)}; "
             "walk a batch's rows as windows of their own"
         )
@@ -144,8 +150,8 @@ def _ids(name: str, values) -> np.ndarray:
     """Token ids as int32, refused (as given) when not integers or beyond any vocabulary."""
     ids = _row(f"{name}s", np.asarray(values))
     if ids.size and not np.issubdtype(ids.dtype, np.integer):
-        raise PlanError(f"{name} token ids must be integers, got {ids.dtype}")
+        raise DataError(f"{name} token ids must be integers, got {ids.dtype}")
     if ids.size and (ids.min() < 0 or ids.max() > np.iinfo(np.int32).max):
         bad = ids[(ids < 0) | (ids > np.iinfo(np.int32).max)][0]
-        raise PlanError(f"{name} token id {int(bad)} is outside any vocabulary")
+        raise DataError(f"{name} token id {int(bad)} is outside any vocabulary")
     return ids.astype(np.int32)

@@ -43,8 +43,9 @@ class ExactWalk(ChunkRunner):
         self.plan = self.make_plan(self.config.host_budget)
         self.checkpoints: dict[int, State] = {}
         self.kept: dict[int, list[mx.array]] = {}  # per decoded chunk, its layers' inputs
-        self.keep = self.config.recompute and self.head is not None and (
-            self.config.keep_inputs != "off")  # fmt: skip
+        self.keep = (
+            self.config.recompute and self.head is not None and (self.config.keep_inputs != "off")
+        )
         self.horizon_used = self.config.horizon  # narrowed per chunk if the memory budget asks
         self.estimate = self.admit()
         if self.config.strict_exact:
@@ -112,8 +113,13 @@ class ExactWalk(ChunkRunner):
     def held(self) -> int:
         """What this walk holds besides a chunk's graph: its store, accumulators, checkpoints and
         kept inputs (the probe subtracts them from its walks' peaks)."""
-        est = budget.estimate(self.model, self.layout, budget.Activations(self.plan.chunk, 0, 0),
-                              self.plan, self.config.cache_type)  # fmt: skip
+        est = budget.estimate(
+            self.model,
+            self.layout,
+            budget.Activations(self.plan.chunk, 0, 0),
+            self.plan,
+            self.config.cache_type,
+        )
         inputs = budget.inputs_bytes(self.layout, self.plan, self.stem) if self.keep else 0
         return est.store + est.accumulators + est.checkpoints + inputs
 
@@ -130,8 +136,11 @@ class ExactWalk(ChunkRunner):
             log.info(
                 "chunk %d: its graph with %d tapped positions exceeds the memory budget of "
                 "%.1f MiB; horizon narrowed to %d for this chunk",
-                chunk.index, taps, self.config.device_budget / MIB, narrowed,
-            )  # fmt: skip
+                chunk.index,
+                taps,
+                self.config.device_budget / MIB,
+                narrowed,
+            )
             self.horizon_used = (
                 narrowed if self.horizon_used == 0 else min(self.horizon_used, narrowed)
             )
@@ -261,8 +270,13 @@ def probe(model, config: WalkConfig, reach: int | None = None, echo=None) -> bud
     run's chunk, recompute, attention path, store type and kept inputs, over at most `reach`
     positions of prefix (None: as far as the probe goes)."""
     keep = "on" if config.recompute and config.keep_inputs != "off" else "off"
-    base = WalkConfig(chunk=config.chunk, recompute=config.recompute, attention=config.attention,
-                      cache_type=config.cache_type, keep_inputs=keep)  # fmt: skip
+    base = WalkConfig(
+        chunk=config.chunk,
+        recompute=config.recompute,
+        attention=config.attention,
+        cache_type=config.cache_type,
+        keep_inputs=keep,
+    )
 
     def peak(ids: np.ndarray, n: int, horizon: int) -> int:
         window = Window.of(ids[:n], ids[1 : n + 1], np.ones(n))

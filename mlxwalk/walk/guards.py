@@ -7,7 +7,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ..plan import PlanError
+from ..errors import DataError, Refusal
 
 
 def check_ids(window, vocab: int) -> None:
@@ -15,12 +15,12 @@ def check_ids(window, vocab: int) -> None:
     for name, ids in (("input", window.inputs), ("target", window.targets)):
         if len(ids) and (ids.min() < 0 or ids.max() >= vocab):
             bad = int(ids[(ids < 0) | (ids >= vocab)][0])
-            raise PlanError(
+            raise DataError(
                 f"{name} token id {bad} is outside the model's vocabulary of {vocab} ids"
             )
 
 
-class NonFinite(PlanError):
+class NonFinite(Refusal):
     """A loss or gradient that is NaN or infinite, found before the step that would apply it."""
 
 

@@ -34,11 +34,19 @@ def probe_key(model, config) -> tuple:
     """Everything that changes a probe's result: the model object, the chunk, recompute, the
     attention path, the store's type, kept inputs, and the trainable parameters (which adapters,
     at which shapes and dtypes)."""
-    trainable = tuple((k, tuple(v.shape), str(v.dtype))
-                      for k, v in tree_flatten(model.trainable_parameters()))  # fmt: skip
+    trainable = tuple(
+        (k, tuple(v.shape), str(v.dtype)) for k, v in tree_flatten(model.trainable_parameters())
+    )
     keep = config.recompute and config.keep_inputs != "off"
-    return (id(model), config.chunk, config.recompute, config.attention, config.cache_type, keep,
-            hash(trainable))  # fmt: skip
+    return (
+        id(model),
+        config.chunk,
+        config.recompute,
+        config.attention,
+        config.cache_type,
+        keep,
+        hash(trainable),
+    )
 
 
 def prefix_for(chunk: int, reach: int, long: bool | None = None) -> int:

@@ -10,9 +10,10 @@ from contextlib import contextmanager, nullcontext
 import mlx.core as mx
 from mlx import nn
 
+from ..errors import ConfigError
 from ..ops.attention import Prefix, tiled_attention
 from ..ops.delta import fast_recurrence
-from ..plan import Chunk, PlanError
+from ..plan import Chunk
 from . import arch, layerwise
 from .accum import Accumulators
 from .config import WalkConfig, Window
@@ -28,8 +29,9 @@ State = list[list[mx.array]] | None  # per recurrent layer, its state arrays
 
 def dropout(model: nn.Module) -> float:
     """The largest dropout probability among the model's dropout layers (LoRA's), 0 if none."""
-    return max((1.0 - m._p_1 for _, m in model.named_modules() if isinstance(m, nn.Dropout)),
-               default=0.0)  # fmt: skip
+    return max(
+        (1.0 - m._p_1 for _, m in model.named_modules() if isinstance(m, nn.Dropout)), default=0.0
+    )
 
 
 def _zeros(shape: tuple[int, ...]) -> mx.array:
@@ -70,7 +72,7 @@ class ChunkRunner:
         if not dropout(self.model):
             return self.config.seed
         if self.config.recompute:
-            raise PlanError(
+            raise ConfigError(
                 "recompute with LoRA dropout > 0 is refused: recomputing a layer would draw new "
                 "dropout masks, and the gradient would not be the window's; use one or the other"
             )
@@ -144,8 +146,9 @@ class ChunkRunner:
         self._seed(chunk)
         scored = chunk.labelled
         kept = self.kept_inputs(chunk)
-        return layerwise.gradient(self.model, self.head, caches, x, y, w, self.window.total, scored,
-                                  kept, sink)  # fmt: skip
+        return layerwise.gradient(
+            self.model, self.head, caches, x, y, w, self.window.total, scored, kept, sink
+        )
 
     def kept_inputs(self, chunk: Chunk) -> list | None:
         """The chunk's layer inputs kept from its decode (ExactWalk), else None."""

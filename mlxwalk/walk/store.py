@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..plan import PlanError
+from ..errors import ConfigError
 
 CACHE_TYPES = ("float32", "float16", "bfloat16", "q8")
 _FLOAT = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -22,11 +22,11 @@ def check_cache_type(cache_type: str, head_dims: tuple[int, ...] = ()) -> str:
     """The cache type, or a refusal: an unknown name, or q8 for head dimensions MLX can't
     quantize (its groups are 32, 64 or 128 wide)."""
     if cache_type not in CACHE_TYPES:
-        raise PlanError(
+        raise ConfigError(
             f"--cache-type {cache_type!r} is unknown; choose one of {', '.join(CACHE_TYPES)}"
         )
     if cache_type == "q8" and not q8_fits(head_dims):
-        raise PlanError(
+        raise ConfigError(
             f"--cache-type q8 needs head dimensions that are multiples of {Q_GROUPS[0]} (MLX "
             f"quantizes in groups of {', '.join(map(str, Q_GROUPS))}); this model's are "
             f"{', '.join(map(str, head_dims))}"

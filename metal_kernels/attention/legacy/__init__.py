@@ -36,8 +36,12 @@ def _shared(kind: str, dim: int, itemsize: int) -> int:
 def _geometry(kind: str, rows: int, dim: int, itemsize: int, heads: int) -> dict:
     w = _warps(kind, dim)
     blocks = -(-rows // (16 * w)) * heads
-    return {"grid": (blocks * 32 * w, 1, 1), "threadgroup": (32 * w, 1, 1),
-            "shared_memory": _shared(kind, dim, itemsize), "w": w}  # fmt: skip
+    return {
+        "grid": (blocks * 32 * w, 1, 1),
+        "threadgroup": (32 * w, 1, 1),
+        "shared_memory": _shared(kind, dim, itemsize),
+        "w": w,
+    }
 
 
 def _common(q, k, v, pk, pv, start, grad_from, scale):
@@ -54,8 +58,16 @@ def forward_launch(q, k, v, pk, pv, start: int, scale: float) -> Launch:
     inputs, extra, template, _ = _common(q, k, v, pk, pv, start, start, scale)
     b, hq, n, dim = q.shape
     g = _geometry("forward", n, dim, q.dtype.size, b * hq)
-    return Launch(FORWARD, inputs + extra, [q.shape, (b, hq, n)], [mx.float32] * 2, g["grid"],
-                  g["threadgroup"], template + [("W", g["w"])], g["shared_memory"])  # fmt: skip
+    return Launch(
+        FORWARD,
+        inputs + extra,
+        [q.shape, (b, hq, n)],
+        [mx.float32] * 2,
+        g["grid"],
+        g["threadgroup"],
+        template + [("W", g["w"])],
+        g["shared_memory"],
+    )
 
 
 def backward_launches(q, k, v, pk, pv, start, grad_from, scale, lse, delta, d_out):
@@ -65,11 +77,27 @@ def backward_launches(q, k, v, pk, pv, start, grad_from, scale, lse, delta, d_ou
     b, hq, n, dim = q.shape
     hkv = k.shape[1]
     g = _geometry("dq", n, dim, q.dtype.size, b * hq)
-    dq = Launch(DQ, inputs, [q.shape], [mx.float32], g["grid"], g["threadgroup"],
-                template + [("W", g["w"])], g["shared_memory"])  # fmt: skip
+    dq = Launch(
+        DQ,
+        inputs,
+        [q.shape],
+        [mx.float32],
+        g["grid"],
+        g["threadgroup"],
+        template + [("W", g["w"])],
+        g["shared_memory"],
+    )
     g = _geometry("dkdv", taps + n, dim, q.dtype.size, b * hkv)
     padded = -(-(taps + n) // (16 * g["w"])) * 16 * g["w"]
     rows = (b, hkv, padded, dim)
-    dkdv = Launch(DKDV, inputs, [rows, rows], [mx.float32] * 2, g["grid"], g["threadgroup"],
-                  template + [("W", g["w"])], g["shared_memory"])  # fmt: skip
+    dkdv = Launch(
+        DKDV,
+        inputs,
+        [rows, rows],
+        [mx.float32] * 2,
+        g["grid"],
+        g["threadgroup"],
+        template + [("W", g["w"])],
+        g["shared_memory"],
+    )
     return dq, dkdv

@@ -73,8 +73,15 @@ def inputs(case: routing.Case, sizes: Sizes, store: mx.Dtype, up: bool = False) 
     k, v, d_out = normal(1, hkv, n, case.dim), normal(1, hkv, n, case.dim), normal(*q.shape)
     keys, values = normal(1, hkv, start + n, case.dim), normal(1, hkv, start + n, case.dim)
     prefix = Prefix(Store(keys, values, mx.float32 if up else store), 0, start, dtype)
-    return {"q": q, "k": k, "v": v, "prefix": prefix, "grad_from": sizes.grad_from,
-            "scale": case.dim**-0.5, "d_out": d_out}  # fmt: skip
+    return {
+        "q": q,
+        "k": k,
+        "v": v,
+        "prefix": prefix,
+        "grad_from": sizes.grad_from,
+        "scale": case.dim**-0.5,
+        "d_out": d_out,
+    }
 
 
 def through(path: str, x: dict) -> dict:
@@ -118,6 +125,8 @@ def race(case: routing.Case, size: tuple[int, int]) -> tuple[float, float]:
     three after a warm-up): `size[0]` queries over a prefix of `size[1]`, every key tapped."""
     x = inputs(case, Sizes(chunk=size[0], start=size[1], grad_from=0), case.dtype)
     mx.eval(x["q"], x["k"], x["v"], x["d_out"], x["prefix"].store.keys, x["prefix"].store.values)
-    kernel_s, twin_s = (routing.seconds(lambda p=p: mx.eval(list(through(p, x).values())))
-                        for p in ("kernel", "twin"))  # fmt: skip
+    kernel_s, twin_s = (
+        routing.seconds(lambda p=p: mx.eval(list(through(p, x).values())))
+        for p in ("kernel", "twin")
+    )
     return kernel_s, twin_s
