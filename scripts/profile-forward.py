@@ -40,7 +40,7 @@ def main() -> int:
     model, _ = bench.shaped("qwen2-0.5b", a.small)
     ids = bench.ids_for(4 * n)
     win = Window.of(ids[:-1], ids[1:], [1.0] * 4 * n)
-    chunks = cut(win.weights.tolist(), n, True)
+    chunks = cut(win.labels, n, True)
     x = mx.array(ids[:n])[None]
     print(f"# mlx {mx.__version__} on {mx.default_device()}, chunk {n}")
     peak("mlx-lm forward, hidden only", lambda: mx.eval(model.model(x)))
@@ -52,8 +52,8 @@ def main() -> int:
             )
             runner = ChunkRunner(model, win, config)
 
-            def decode(k, runner=runner, recompute=recompute):
-                with walking(model, recompute):
+            def decode(k, runner=runner):
+                with walking(model):
                     runner._new_store(4 * n)
                     state = None
                     for chunk in chunks[:k]:
@@ -64,7 +64,7 @@ def main() -> int:
                     f"decode {k} chunk(s), recompute {recompute}, {attention}",
                     lambda k=k: decode(k),
                 )
-    with walking(model, False):
+    with walking(model):
         caches = [ChunkKV(0, attention="fused") for _ in model.layers]
         peak(
             "model with ChunkKV caches (no prefix), K/V only",

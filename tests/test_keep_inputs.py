@@ -9,7 +9,8 @@ import pytest
 from mlxwalk import window_gradient
 from mlxwalk.exactness import BARS, EXACT, compare
 from mlxwalk.plan import MIB, PlanError
-from mlxwalk.walk import ExactWalk, WalkConfig, Window, layerwise
+from mlxwalk.walk import ExactWalk, WalkConfig, Window
+from mlxwalk.walk.taps import Layers
 
 N = 128
 IDS = np.random.default_rng(4).integers(0, 256, N + 1)
@@ -21,8 +22,10 @@ def test_kept_inputs_are_replayed_and_exact(request, model, monkeypatch):
     w = np.ones(N)
     _, one = window_gradient(model, IDS[:-1], IDS[1:], w, chunk=N, walk="one-graph")
     replayed = []
-    replaying = layerwise.replaying
-    monkeypatch.setattr(layerwise, "replaying", lambda kept: replayed.append(1) or replaying(kept))
+    replaying = Layers.replaying
+    monkeypatch.setattr(
+        Layers, "replaying", lambda self, kept: replayed.append(1) or replaying(self, kept)
+    )
     _, kept = window_gradient(
         model, IDS[:-1], IDS[1:], w, chunk=32, recompute=True, keep_inputs="on"
     )

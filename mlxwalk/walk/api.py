@@ -25,7 +25,7 @@ def window_loss(model: nn.Module, window: Window, config: WalkConfig, layout=Non
     runner = ChunkRunner(model, window, config, layout)
     chunks = cut(window.labels, runner.config.chunk, runner.config.follow_runs)
     losses: list = []
-    with walking(model, False):
+    with walking(model):
         runner._new_store(chunks[-1].end)
         state = runner.zero_state()
         for chunk in chunks:

@@ -30,7 +30,7 @@ from . import probe as probes
 from .accum import ACCUMULATOR_DTYPES, Accumulators
 from .config import WalkConfig, Window
 from .runner import ChunkRunner, State, walking
-from .taps import keeping, release
+from .taps import release
 
 log = logging.getLogger("mlxwalk")
 
@@ -183,7 +183,7 @@ class ExactWalk(ChunkRunner):
         if self.estimate is not None and not mx.cuda.is_available():
             limit = mx.set_memory_limit(self.config.device_budget)
         try:
-            with walking(self.model, self.config.recompute, self.stem):
+            with walking(self.model):
                 self.decode_forward()
                 return self.reverse(chunks)
         finally:
@@ -204,7 +204,7 @@ class ExactWalk(ChunkRunner):
                 self.checkpoints[chunk.index] = state
             # The last chunk's K/V and exit state are read by no later chunk: not decoded.
             if chunk is not chunks[-1] and self.keep:
-                with keeping() as kept:
+                with self.layers.keeping() as kept:
                     state = self.decode(chunk, state)
                 mx.eval(kept)
                 self.kept[chunk.index] = kept

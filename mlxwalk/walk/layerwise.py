@@ -20,7 +20,7 @@ from mlx.utils import tree_flatten, tree_map_with_path
 
 from .arch import Head
 from .loss import head_loss
-from .taps import recording, replaying
+from .taps import Layers
 
 
 def gradient(
@@ -34,6 +34,7 @@ def gradient(
     scored: bool,
     kept=None,
     sink: Callable[[int, list], None] | None = None,
+    layers: Layers | None = None,
 ):
     """(loss share, gradient in the model's trainable parameters, per cache its taps' gradient),
     as `mx.value_and_grad` of the chunk's objective would give them. With `kept` (each layer's
@@ -43,7 +44,8 @@ def gradient(
     then never holds more than one layer's."""
     for c in caches:
         c.bind(c.inputs())
-    with recording() if kept is None else replaying(kept) as calls:
+    layers = layers or caches[0].layers  # the walk's (every cache carries it)
+    with layers.recording() if kept is None else layers.replaying(kept) as calls:
         head.body(x, caches)
     names = {id(m): name for name, m in model.named_modules()}
     by_name: dict[str, mx.array] = {}

@@ -20,7 +20,7 @@ from .config import WalkConfig, Window
 from .guards import check_ids
 from .loss import head_loss, weighted_loss
 from .store import KVStore, check_cache_type
-from .taps import ChunkKV, ChunkState, eager_layers, release, walk_layers
+from .taps import ChunkKV, ChunkState, Layers, layers_of, release, walk_layers
 
 log = logging.getLogger("mlxwalk")
 
@@ -40,9 +40,9 @@ def _zeros(shape: tuple[int, ...]) -> mx.array:
 
 
 @contextmanager
-def walking(model: nn.Module, recompute: bool, stem: int = 0) -> Iterator[None]:
+def walking(model: nn.Module) -> Iterator[None]:
     """The model as the walk runs it: taps through every layer, the chunked delta rule."""
-    with walk_layers(model, recompute, stem), fast_recurrence(model), tiled_attention(model):
+    with walk_layers(model), fast_recurrence(model), tiled_attention(model):
         yield
 
 
@@ -58,6 +58,7 @@ class ChunkRunner:
         check_cache_type(self.config.cache_type, self.layout.head_dims)
         self.head = arch.head(model)
         self.stem = arch.stem(model)  # the frozen layers the reverse pass never differentiates
+        self.layers: Layers = layers_of(model, self.config.recompute, self.stem)
         self.store: KVStore | None = None
         self.seed = self._dropout_seed()
         self.on_chunk: Callable[[str, int, int], None] | None = None  # (phase, done, of)
@@ -120,13 +121,16 @@ class ChunkRunner:
                     h, dk, dv = self.layout.kv_shapes[a]
                     taps = (_zeros((1, h, s - grad_from, dk)), _zeros((1, h, s - grad_from, dv)))
                 adjoint = acc.adjoint(a, s, chunk.end) if graded and acc is not None else None
-                out.append(ChunkKV(s, prefix, grad_from, taps, adjoint, self.config.attention))
+                out.append(
+                    ChunkKV(s, prefix, grad_from, taps, adjoint, self.config.attention, self.layers)
+                )
                 a += 1
             else:
                 adjoint = None
                 if graded and acc is not None and acc.state is not None:
                     adjoint = acc.state[r]
-                out.append(ChunkState(entry[r], tapped=graded and tap_state, adjoint=adjoint))
+                tapped = graded and tap_state
+                out.append(ChunkState(entry[r], tapped, adjoint, self.layers))
                 r += 1
         return out
 
@@ -147,7 +151,17 @@ class ChunkRunner:
         scored = chunk.labelled
         kept = self.kept_inputs(chunk)
         return layerwise.gradient(
-            self.model, self.head, caches, x, y, w, self.window.total, scored, kept, sink
+            self.model,
+            self.head,
+            caches,
+            x,
+            y,
+            w,
+            self.window.total,
+            scored,
+            kept,
+            sink,
+            self.layers,
         )
 
     def kept_inputs(self, chunk: Chunk) -> list | None:
@@ -162,7 +176,7 @@ class ChunkRunner:
         self._seed(chunk)
         scored = losses is not None and chunk.labelled
         # On CUDA a layer at a time (freed buffers return only once the GPU has run the graph)
-        with eager_layers() if mx.cuda.is_available() else nullcontext():
+        with self.layers.eager_layers() if mx.cuda.is_available() else nullcontext():
             loss = self.run_chunk(x, caches, y, w, scored)  # the logits only if scored
         exit_state = [c.produced() for c in caches if isinstance(c, ChunkState)] or None
         kv = [c.produced() for c in caches if isinstance(c, ChunkKV)] if write else []

@@ -8,8 +8,10 @@ state) so the chunk's objective can add the surrogate <produced, adjoint> for th
 
 `walk_layers` wraps each decoder layer for the duration of a walk so that the taps enter the layer
 as explicit inputs: that is what lets `mx.checkpoint` (recompute) carry their gradient, since a
-checkpointed function treats arrays it closes over as constants. Within `recording` (layerwise.py)
-the wrapper instead runs each layer with no gradient and keeps what it needs to run it again alone.
+checkpointed function treats arrays it closes over as constants. How the wrapped layer runs is
+the walk's `Layers`, which every cache carries: within `Layers.recording` (layerwise.py) it runs
+with no gradient and keeps what it needs to run it again alone; within `keeping` (the decode) it
+keeps its input; within `replaying` it hands back a kept input instead of running.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class ChunkKV:
         taps: tuple[mx.array, mx.array] | None = None,
         adjoint: tuple[mx.array, mx.array] | None = None,
         attention: str = "tiled",
+        layers: Layers | None = None,
     ):
         self.offset = offset
         self.prefix = prefix
@@ -57,6 +60,7 @@ class ChunkKV:
         self.taps = taps
         self.adjoint = adjoint
         self.attention = attention
+        self.layers = layers or Layers()  # how the layer reading this cache runs
         self.keys: mx.array | None = None  # the chunk's own K/V, once the layer ran
         self.values: mx.array | None = None
         self.surrogate_value: mx.array = mx.array(0.0)
@@ -109,7 +113,9 @@ class ChunkState:
         entry: list[mx.array],
         tapped: bool = False,
         adjoint: list[mx.array] | None = None,
+        layers: Layers | None = None,
     ):
+        self.layers = layers or Layers()  # how the layer reading this cache runs
         self.entry = list(entry)
         self.cache = list(entry)
         self.tapped = tapped
@@ -184,61 +190,56 @@ class LayerCall:
         return inner(y, dy) + self.cache.surrogate()
 
 
-_recording: list[LayerCall] | None = None
-_eager = False
-_keeping: list[mx.array] | None = None  # the decode: each layer's input, then the last output
-_replaying: list[mx.array] | None = None  # the reverse: those inputs, handed back in order
-_stem: set[int] = set()  # ids of the frozen layers beneath every trainable one (arch.stem)
+@dataclass
+class Layers:
+    """How a walk's decoder layers run: one object per walk, carried by every cache the walk
+    builds (`cache.layers`), where each layer's call reads it. Its modes hold for a block (the
+    context managers below) and no longer."""
+
+    stem: frozenset[int] = frozenset()  # ids of the frozen layers beneath every trainable one
+    recompute: bool = False  # activation checkpointing of each layer (mx.checkpoint)
+    eager: bool = False  # each layer's output evaluated as it is made (no gradient)
+    recorded: list[LayerCall] | None = None  # each layer run with no gradient and recorded
+    kept: list | None = None  # the decode: each layer's input, then the last layer's output
+    replay: list | None = None  # the reverse: those inputs, handed back in order
+
+    @contextmanager
+    def _set(self, **modes) -> Iterator[Layers]:
+        previous = {k: getattr(self, k) for k in modes}
+        for k, v in modes.items():
+            setattr(self, k, v)
+        try:
+            yield self
+        finally:
+            for k, v in previous.items():
+                setattr(self, k, v)
+
+    def eager_layers(self):
+        """Within the block (no gradient), each layer's output is evaluated as it is made."""
+        return self._set(eager=True)
+
+    @contextmanager
+    def recording(self) -> Iterator[list[LayerCall]]:
+        """Within the block, each layer's call is run with no gradient, evaluated, and recorded."""
+        with self._set(recorded=[]):
+            yield self.recorded
+
+    @contextmanager
+    def keeping(self) -> Iterator[list]:
+        """Within the block (a decode), each layer's input is kept, and the last layer's output
+        after them: the list the reverse pass replays."""
+        with self._set(kept=[]):
+            yield self.kept
+
+    @contextmanager
+    def replaying(self, kept: list) -> Iterator[list[LayerCall]]:
+        """As `recording`, with no layer run: each layer's call is recorded with its kept input
+        and returns the next layer's (the body's other work, its masks, is cheap)."""
+        with self._set(recorded=[], replay=list(kept)):
+            yield self.recorded
 
 
-@contextmanager
-def eager_layers() -> Iterator[None]:
-    """Within the block (no gradient), each walk layer's output is evaluated as it is made."""
-    global _eager
-    previous, _eager = _eager, True
-    try:
-        yield
-    finally:
-        _eager = previous
-
-
-@contextmanager
-def recording() -> Iterator[list[LayerCall]]:
-    """Within the block, each walk layer's call is run with no gradient, evaluated, and recorded."""
-    global _recording
-    previous, _recording = _recording, []
-    try:
-        yield _recording
-    finally:
-        _recording = previous
-
-
-@contextmanager
-def keeping() -> Iterator[list[mx.array]]:
-    """Within the block (a decode), each walk layer's input is kept, and the last layer's
-    output after them: the list the reverse pass replays."""
-    global _keeping
-    previous, _keeping = _keeping, []
-    try:
-        yield _keeping
-    finally:
-        _keeping = previous
-
-
-@contextmanager
-def replaying(kept: list[mx.array]) -> Iterator[list[LayerCall]]:
-    """As `recording`, with no layer run: each walk layer's call is recorded with its kept
-    input and returns the next layer's (the body's other work, its masks, is cheap)."""
-    global _recording, _replaying
-    previous = _recording, _replaying
-    _recording, _replaying = [], list(kept)
-    try:
-        yield _recording
-    finally:
-        _recording, _replaying = previous
-
-
-_walk_classes: dict[tuple[type, bool], type] = {}
+_walk_classes: dict[type, type] = {}
 
 
 def own_call(base: type):
@@ -256,11 +257,11 @@ def own_call(base: type):
     return call
 
 
-def _walk_class(base: type, recompute: bool) -> type:
-    """A subclass of a decoder layer whose call takes the layer's taps as explicit inputs."""
-    key = (base, recompute)
-    if key in _walk_classes:
-        return _walk_classes[key]
+def _walk_class(base: type) -> type:
+    """A subclass of a decoder layer whose call takes the layer's taps as explicit inputs and
+    runs as its cache's `Layers` say."""
+    if base in _walk_classes:
+        return _walk_classes[base]
 
     # The layer's own call, taken once: a patch of the class (mlx-lm's grad_checkpoint, which
     # would close over the taps as constants and lose their gradient) must not reach the walk.
@@ -270,31 +271,32 @@ def _walk_class(base: type, recompute: bool) -> type:
         cache = _find_cache(args, kwargs)
         if cache is None:
             return call(self, x, *args, **kwargs)
-        frozen = id(self) in _stem  # never differentiated: neither kept nor recorded
-        if _replaying is not None:
-            x, y = _replaying[0], _replaying[1]
-            del _replaying[0]
+        modes = cache.layers
+        frozen = id(self) in modes.stem  # never differentiated: neither kept nor recorded
+        if modes.replay is not None:
+            x, y = modes.replay[0], modes.replay[1]
+            del modes.replay[0]
             if not frozen:
-                _recording.append(LayerCall(self, call, x, y, args, kwargs, cache))
+                modes.recorded.append(LayerCall(self, call, x, y, args, kwargs, cache))
             return y
-        if _keeping is not None:
+        if modes.kept is not None:
             # (the previous layer's output, when it is this one's input)
-            _keeping[-1:] = [None if frozen else x]
-        if _eager:
+            modes.kept[-1:] = [None if frozen else x]
+        if modes.eager:
             y = call(self, x, *args, **kwargs)
             mx.eval(y)  # one layer's graph at a time
-        elif _recording is not None:
+        elif modes.recorded is not None:
             y = call(self, x, *args, **kwargs)
             mx.eval(x, y)  # one layer at a time: its graph is freed before the next is built
             if not frozen:
-                _recording.append(LayerCall(self, call, x, y, args, kwargs, cache))
-        elif not recompute or _keeping is not None:  # the taps are bound and in the graph
+                modes.recorded.append(LayerCall(self, call, x, y, args, kwargs, cache))
+        elif not modes.recompute or modes.kept is not None:  # the taps are bound and in the graph
             y = call(self, x, *args, **kwargs)
             cache.surrogate_value = cache.surrogate()
         else:
             return checkpointed(self, cache, x, args, kwargs)
-        if _keeping is not None:
-            _keeping.append(y)
+        if modes.kept is not None:
+            modes.kept.append(y)
         return y
 
     def checkpointed(self, cache, x, args: tuple, kwargs: dict):
@@ -309,23 +311,27 @@ def _walk_class(base: type, recompute: bool) -> type:
         return y
 
     cls = type(f"Walk{base.__name__}", (base,), {"__call__": __call__})
-    _walk_classes[key] = cls
+    _walk_classes[base] = cls
     return cls
 
 
 @contextmanager
-def walk_layers(model: nn.Module, recompute: bool = False, stem: int = 0) -> Iterator[None]:
-    """Within the block, the model's decoder layers take their taps as inputs (see module doc);
-    the first `stem` of them (arch.stem) are run but never recorded or kept."""
+def walk_layers(model: nn.Module) -> Iterator[None]:
+    """Within the block, the model's decoder layers take their taps as inputs (see module doc)
+    and run as their caches' `Layers` say."""
     layers = list(model.layers)
     bases = [layer.__class__ for layer in layers]
-    frozen = {id(layer) for layer in layers[:stem]}
     try:
         for layer, base in zip(layers, bases):
-            layer.__class__ = _walk_class(base, recompute)
-        _stem.update(frozen)
+            layer.__class__ = _walk_class(base)
         yield
     finally:
-        _stem.difference_update(frozen)
         for layer, base in zip(layers, bases):
             layer.__class__ = base
+
+
+def layers_of(model: nn.Module, recompute: bool = False, stem: int = 0) -> Layers:
+    """A walk's `Layers` for `model`: the first `stem` decoder layers (arch.stem) are run but
+    never recorded or kept."""
+    frozen = frozenset(id(layer) for layer in list(model.layers)[:stem])
+    return Layers(stem=frozen, recompute=recompute)
