@@ -8,6 +8,10 @@ several per chunk:
              the initial state's adjoint.
 A simdgroup (warp) owns one row of a head's state: rows never meet in the recurrence. All
 inputs and outputs are float32 (the op computes its chunk factors in float32).
+
+The whole op, forward and backward, on the matrix units is another set of kernels beside these
+(prepare, states, output, states_back, grads, prepare_back): `chunked.py` runs them,
+`blocks.py` holds their block shapes, `traffic.py` what they move.
 """
 
 from __future__ import annotations

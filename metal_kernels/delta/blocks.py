@@ -63,13 +63,13 @@ METAL: dict[tuple[str, int, str], MetalBlocks] = {
     ("prepare", 64, "half"): _m(
         8,
         f"{_ROWS}; all of K, 64 rows of 144 B, + A/T 9 KiB + gates "
-        "= 18.8 KiB: K read once for the Gram and w",
+        "= 18.8 KiB: one staging of K serves the Gram and the first value head's w",
         KS=64,
     ),
     ("prepare", 128, "half"): _m(
         8,
         f"{_ROWS}; all of K, 64 rows of 272 B, + A/T 9 KiB + "
-        "gates = 26.8 KiB: K read once for the Gram and w",
+        "gates = 26.8 KiB: one staging serves the Gram and the first value head's w",
         KS=128,
     ),
     ("prepare", 64, "float"): _m(

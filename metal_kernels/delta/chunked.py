@@ -31,8 +31,10 @@ Buffers between kernels (float32, NP = N * CHUNK padded positions, N chunks):
   tri (B, HV, N, CHUNK, CHUNK) (T, zeros above the diagonal); h, dh (B, N, HV, DV, DK);
   dw (B, HV, NP, DK); dcum (B, HV, KB, NP): grads's d cum, one partial per key block.
 Every kernel takes `params` = [B, L, HK, HV, N, KB] (int32) and the template T (dtype), DK, DV
-and its block shape. A launch's geometry comes from `GEOMETRY[backend]` (Metal's from
-blocks.METAL below); another backend registers its own function there.
+and its block shape; its header is `tiles` (tiles.metal; a CUDA twin's tiles.cuh), its buffers
+and their layouts the same on every backend. A launch's grid, block and block template come from
+`GEOMETRY[backend]` (Metal's: `metal_geometry`, from blocks.METAL); another backend registers
+its own function there, taking (kernel, Sizes, dtype) and returning a Geometry.
 """
 
 from __future__ import annotations
