@@ -134,6 +134,9 @@ def mutating(monkeypatch, stem: str, *edits: tuple[str, str]) -> None:
     ],
 )
 def test_the_comparisons_catch_a_broken_kernel(monkeypatch, stem, edits, broken):
+    """The comparisons can fail: each mutation of a Metal body (made in the source MLX is
+    handed within the test, then undone; the files stay as they are) shows as a large error in
+    the output it breaks."""
     x, cots = inputs(100, 1, 1, 64)
     mutating(monkeypatch, stem, *edits)
     try:
