@@ -33,7 +33,11 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 THREADGROUP_MEMORY = 32768  # bytes a threadgroup may use on Apple GPUs
-CHUNK = 64  # positions a chunk, inside the kernels
+# Positions a chunk, inside the kernels: FLA's 64. Its 8 row tiles give the chunk-parallel
+# kernels one per simdgroup; the inverse's 16-row blocks merge twice to it; a C x C matrix's 36
+# lower tiles take 9 KiB of threadgroup memory, so A/T, P and dP fit beside the staged operands
+# (at 128: 136 tiles, 34 KiB, more than a threadgroup has).
+CHUNK = 64
 KERNELS = ("prepare", "states", "output", "states_back", "grads", "prepare_back")
 
 
