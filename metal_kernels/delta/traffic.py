@@ -70,8 +70,13 @@ def traffic(kernel: str, s: Shape, keep: bool = False) -> Traffic:
     g = blocks.metal(kernel, s.dim, s.dtype)
     if kernel == "prepare":
         return _prepare(s, g, keep)
-    return {"states": _states, "output": _output, "states_back": _states_back,
-            "grads": _grads, "prepare_back": _prepare_back}[kernel](s, g)  # fmt: skip
+    return {
+        "states": _states,
+        "output": _output,
+        "states_back": _states_back,
+        "grads": _grads,
+        "prepare_back": _prepare_back,
+    }[kernel](s, g)
 
 
 def _ceil(a: int, b: int) -> int:
@@ -106,8 +111,14 @@ def _total(s, heads, reads, writes, mma_chunk, bar_chunk, walked, bound, groups=
     threadgroups per (batch, head, chunk) instead of one)."""
     n = s.batch * heads
     per = groups or 1
-    return Traffic((reads + walked) * n, writes * n, mma_chunk * s.chunks * n * per,
-                   bar_chunk * s.chunks * n * per, walked * n, bound * n)  # fmt: skip
+    return Traffic(
+        (reads + walked) * n,
+        writes * n,
+        mma_chunk * s.chunks * n * per,
+        bar_chunk * s.chunks * n * per,
+        walked * n,
+        bound * n,
+    )
 
 
 def _states(s: Shape, g) -> Traffic:
