@@ -77,6 +77,15 @@ def test_forward_and_every_gradient_match_the_twin(t, hk, hv, dim, batch):
         assert error < F32, (name, error)
 
 
+@pytest.mark.parametrize("t", [1, 64])
+def test_one_position_and_exactly_one_chunk(t):
+    """No padding at all (64) and a chunk of one real position (log_g and beta then small
+    enough for MLX to pass in `constant` memory)."""
+    x, cots = inputs(t, 1, 2, 64, seed=t)
+    for name, error in errors(x, cots).items():
+        assert error < F32, (name, error)
+
+
 @pytest.mark.parametrize("dtype, dim, t, hv", [(mx.float16, 64, 70, 2), (mx.bfloat16, 128, 40, 1)])
 def test_half_precision_within_the_twins_own_error(dtype, dim, t, hv):
     """In float16/bfloat16 the kernels' error against the float32 twin on the same (rounded)
