@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
 """Compile every CUDA kernel (attention: the scalar float32 kernels and the tensor-core ones for
-float16/bfloat16 with a store of the same dtype or a float32 one; the delta rule's scans) with
-nvcc, as MLX would hand it to NVRTC (metal_kernels/cuda_source), for each head dim: a build check
-where no GPU runs them. Prints each failure's errors; with --ptxas, a table of each kernel's
-registers, spills and shared memory from ptxas (-Xptxas -v).
+float16/bfloat16 with a store of the same dtype or a float32 one; the delta rule's scans; the
+chunked delta rule's six kernels, metal_kernels/delta/chunked.py, for float32, float16 and
+bfloat16 at the head dims blocks.CUDA has, prepare with and without KEEP) with nvcc, as MLX would
+hand it to NVRTC (metal_kernels/cuda_source), for each head dim: a build check where no GPU runs
+them. Prints each failure's errors; with --ptxas, a table of each kernel's registers, spills and
+shared memory from ptxas (-Xptxas -v).
 
-    compile-cuda.py [--arch sm_90] [--dims 64 128 256] [--ptxas] [--only tc]
+    compile-cuda.py [--arch sm_90] [--dims 64 128 256] [--ptxas] [--only tc|scalar|delta|chunked]
 """
 
 import argparse
@@ -23,6 +25,8 @@ import metal_kernels.attention as A
 import metal_kernels.delta as delta_kernels
 from metal_kernels import cuda_source
 from metal_kernels.build import ROOT
+from metal_kernels.delta import blocks as delta_blocks
+from metal_kernels.delta import chunked
 
 TC = importlib.import_module("metal_kernels.attention.tensor_cores")
 NAMES = {mx.float32: "f32", mx.float16: "f16", mx.bfloat16: "bf16"}
@@ -92,6 +96,35 @@ def delta_launches(dk: int):
     )
 
 
+def chunked_launches(dim: int, dtype: mx.Dtype):
+    """(label, launch) of each chunked delta-rule kernel at head dim `dim` (dk = dv), 2 key and
+    4 value heads, 100 positions, on CUDA's geometry."""
+    if dim not in delta_blocks.CUDA_DIMS:
+        return
+    b, t, hk, hv = 1, 100, 2, 4
+    s = chunked.Sizes(b, t, hk, hv, dim, dim)
+    n, np_, z, f = s.chunks, s.padded, mx.zeros, mx.float32
+    q = k = z((b, t, hk, dim), dtype)
+    v = dy = z((b, t, hv, dim), dtype)
+    gate = z((b, t, hv), f)
+    cum, w, u = z((b, hv, np_), f), z((b, hv, np_, dim), f), z((b, hv, np_, dim), f)
+    h = z((b, n, hv, dim, dim), f)
+    state, tri, dcum = z((b, hv, dim, dim), f), z((b, hv, n, 64, 64), f), z((b, hv, 1, np_), f)
+    calls = [
+        chunked.prepare_launch(s, k, v, gate, gate, True, "cuda"),
+        chunked.prepare_launch(s, k, v, gate, gate, False, "cuda"),
+        chunked.states_launch(s, k, w, u, cum, state, "cuda"),
+        chunked.output_launch(s, q, k, cum, h, u, "cuda"),
+        chunked.states_back_launch(s, q, k, w, cum, dy, state, "cuda"),
+        chunked.grads_launch(s, q, k, cum, h, u, h, u, dy, "cuda"),
+        chunked.prepare_back_launch(s, k, v, gate, cum, tri, w, u, z(q.shape, f), dcum, "cuda"),
+    ]
+    for call in calls:
+        keep = dict(call.template).get("KEEP")
+        tag = "" if keep is None else f" keep={keep}"
+        yield f"{call.spec.stem} {dim} {NAMES[dtype]}{tag}", call
+
+
 def ptxas_table(stderr: str, labels: list[str], calls: list) -> list[str]:
     """One row per kernel from ptxas's report: registers, spills, stack, shared memory."""
     rows, current = {}, None
@@ -135,7 +168,9 @@ def main() -> int:
     p.add_argument("--dims", type=int, nargs="+", default=[64, 128, 256])
     p.add_argument("--nvcc", nargs="*", default=[], help="more nvcc flags")
     p.add_argument("--ptxas", action="store_true", help="registers and spills per kernel")
-    p.add_argument("--only", choices=["tc", "scalar", "delta"], help="one kind of kernel")
+    p.add_argument(
+        "--only", choices=["tc", "scalar", "delta", "chunked"], help="one kind of kernel"
+    )
     p.add_argument("--keep", help="write the translation unit here")
     a = p.parse_args()
     labels, calls, units, headers = [], [], [], {}
@@ -145,6 +180,8 @@ def main() -> int:
             found = list(launches(dim, dtype, store)) if a.only in (None, kind) else []
             if dtype == mx.float32 and a.only in (None, "delta"):
                 found += list(delta_launches(dim))
+            if store == dtype and a.only in (None, "chunked"):
+                found += list(chunked_launches(dim, dtype))
             for label, call in found:
                 labels.append(label)
                 calls.append(call)

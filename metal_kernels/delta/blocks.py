@@ -225,3 +225,197 @@ def metal_threadgroup_bytes(kernel: str, dim: int, dtype: mx.Dtype) -> int:
         )
     # prepare_back: K or V, dW or dU, T, dT T^T then dA, cum, beta, dcum, dbeta
     return 2 * CHUNK * (g["SL"] + 4) * 4 + 2 * tri + 4 * CHUNK * 4
+
+
+# CUDA: the tensor-core bodies (`.cu`: mma.sync.m16n8k16 on float16/bfloat16, float32 FMA in the
+# same fragment layout for float32 inputs) on an H200 (sm_90: 132 SMs, 227 KiB of shared memory a
+# block and 228 KiB an SM, 64K registers an SM, 255 a thread). A warp owns 16 rows: a chunk's
+# positions (prepare, output, grads, prepare_back: 4 warps, one per 16 of the chunk's 64 rows) or
+# 16 value rows of a head's state (states, states_back: BV / 16 warps). Operands are staged in
+# shared memory as rows padded by 16 bytes: inputs (q, k, v, dy) in their dtype, derived float32
+# values (w, h, v_new, T, ...) as hi + lo halves on the half path (tiles.cuh says why), so a
+# derived row costs twice an input's. Shared bytes in each reason are at head dim 128, half.
+#   prepare      a block per (b, value head, chunk); K, V, A, T and T diag(.)'s parts.
+#   states       BV value rows a block (the state 16 x DK a warp in registers); the chunk's K,
+#                w, u and cum double buffered through cp.async, w split once per chunk.
+#   output       a block per (b, value head, chunk, BV value columns); Q, K, h_c's BV rows and
+#                v_new's BV columns.
+#   states_back  as states (the adjoint 16 x DK a warp); Q, K, w, dO double buffered, P = Q K^T
+#                (.) D and diag(gamma) dO as parts.
+#   grads        a block per (b, key head, chunk, KB key columns), walking the key head's value
+#                heads (dq, dk summed over them in place, as grads.metal); h then dh's KB columns.
+#   prepare_back a block per (b, key head, chunk), walking the value heads (dk summed over
+#                them); K, V, T, dw and du as parts, dT then dA T^T-products through C x C parts.
+@dataclass(frozen=True)
+class CudaBlocks:
+    warps: int
+    template: tuple[tuple[str, int], ...]  # the block template values (besides T, DK, DV)
+    why: str
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    def __getitem__(self, name: str) -> int:
+        return dict(self.template)[name]
+
+
+def _c(warps: int, why: str, **template: int) -> CudaBlocks:
+    return CudaBlocks(warps, tuple(template.items()), why)
+
+
+_CHUNK_ROWS = "4 warps, 16 of the chunk's rows each"
+# (kernel, head dim, "half" | "float") -> shape.
+CUDA: dict[tuple[str, int, str], CudaBlocks] = {
+    ("prepare", 64, "half"): _c(
+        4, f"{_CHUNK_ROWS}; K, V 9 KiB each + A, T 17 KiB each + parts 18 KiB: 2 blocks an SM"
+    ),
+    ("prepare", 128, "half"): _c(
+        4,
+        f"{_CHUNK_ROWS}; K, V 17 KiB each + A, T 17 KiB each + "
+        "T diag(.)'s parts 36 KiB = 105 KiB: 2 blocks an SM",
+    ),
+    ("prepare", 64, "float"): _c(4, f"{_CHUNK_ROWS}; K, V 17 KiB each as float32"),
+    ("prepare", 128, "float"): _c(4, f"{_CHUNK_ROWS}; K, V 33 KiB each as float32: 1 block an SM"),
+    ("states", 64, "half"): _c(4, "BV 64: B x HV x DV / 64 blocks; two stages of K, w, u", BV=64),
+    ("states", 128, "half"): _c(
+        4,
+        "BV 64: 4 warps, the state 64 floats a lane; K 17 + w 33 + "
+        "u 17 KiB a stage, two stages + w's parts 34 KiB = 169 KiB",
+        BV=64,
+    ),
+    ("states", 64, "float"): _c(4, "BV 64; float32 stages", BV=64),
+    ("states", 128, "float"): _c(
+        4,
+        "BV 64; K 33 + w 33 + u 17 KiB a stage, two stages, + the warps' A rows 33 KiB = 200 KiB",
+        BV=64,
+    ),
+    ("output", 64, "half"): _c(
+        4,
+        f"{_CHUNK_ROWS}; BV 64 (all of DV): Q, K 9 KiB each + h, v_new parts 18 KiB each = 54 KiB",
+        BV=64,
+    ),
+    ("output", 128, "half"): _c(
+        4,
+        f"{_CHUNK_ROWS}; BV 64: Q, K 17 KiB each + h's 64 rows as "
+        "parts 34 KiB + v_new's parts 18 KiB = 86 KiB: 2 blocks an SM "
+        "(all 128 columns: 140 KiB, one)",
+        BV=64,
+    ),
+    ("output", 64, "float"): _c(4, f"{_CHUNK_ROWS}; BV 64, float32 stages", BV=64),
+    ("output", 128, "float"): _c(4, f"{_CHUNK_ROWS}; BV 64, float32 stages", BV=64),
+    ("states_back", 64, "half"): _c(
+        4, "BV 64 as states; Q, K, w, dO double buffered", BV=64, STAGES=2
+    ),
+    ("states_back", 128, "half"): _c(
+        4,
+        "BV 64 as states; Q, K 17 + w 33 + dO 9 KiB a stage, two "
+        "stages + w's parts 34 + P's 18 + diag(gamma) dO's 18 KiB "
+        "= 222 KiB: one block an SM",
+        BV=64,
+        STAGES=2,
+    ),
+    ("states_back", 64, "float"): _c(4, "BV 64; float32 stages, two", BV=64, STAGES=2),
+    ("states_back", 128, "float"): _c(
+        4,
+        "BV 64; one float32 stage (Q, K, w 33 KiB each, dO 17): two would take 238 KiB",
+        BV=64,
+        STAGES=1,
+    ),
+    ("grads", 64, "half"): _c(4, f"{_CHUNK_ROWS}; KB 64 (all of DK)", KB=64),
+    ("grads", 128, "half"): _c(
+        4,
+        f"{_CHUNK_ROWS}; KB 64: Q, K 9 KiB each + dO 17 + v_new's "
+        "parts 34 + h's (then dh's) 64 columns as parts 36 KiB = 105 KiB: "
+        "2 blocks an SM; dv_new's rows go straight to registers",
+        KB=64,
+    ),
+    ("grads", 64, "float"): _c(4, f"{_CHUNK_ROWS}; KB 64, float32 stages", KB=64),
+    ("grads", 128, "float"): _c(4, f"{_CHUNK_ROWS}; KB 64, float32 stages", KB=64),
+    ("prepare_back", 64, "half"): _c(
+        4, f"{_CHUNK_ROWS}; K, V 9 KiB each + T, dT/M 9 KiB each + dw (then du) 18 KiB, as parts"
+    ),
+    ("prepare_back", 128, "half"): _c(
+        4,
+        f"{_CHUNK_ROWS}; K, V 17 KiB each + T's and dT's (then "
+        "M's) parts 18 KiB each + dw's (then du's) 34 KiB = 105 "
+        "KiB: 2 blocks an SM",
+    ),
+    ("prepare_back", 64, "float"): _c(4, f"{_CHUNK_ROWS}; float32 stages"),
+    ("prepare_back", 128, "float"): _c(4, f"{_CHUNK_ROWS}; float32 stages"),
+}
+
+CUDA_DIMS = tuple(sorted({dim for _, dim, _ in CUDA}))
+
+
+def cuda(kernel: str, dim: int, dtype: mx.Dtype) -> CudaBlocks:
+    return CUDA[(kernel, dim, width(dtype))]
+
+
+def _region(n: int, itemsize: int) -> int:
+    return (n * itemsize + 15) // 16 * 16
+
+
+def cuda_shared_bytes(kernel: str, dk: int, dv: int, dtype: mx.Dtype, b: CudaBlocks) -> int:
+    """Dynamic shared memory of a CUDA kernel as its body carves it (checked there at compile
+    time against the launch's: the template SMEM)."""
+    half = width(dtype) == "half"
+    size, parts = (2, 2) if half else (4, 1)
+    pad = 16 // size
+    pk, pv, pct = dk + pad, dv + pad, CHUNK + pad
+
+    def t_rows(n: int, p: int) -> int:  # n rows of p elements of the inputs' dtype
+        return _region(n * p, size)
+
+    def f_rows(n: int, p: int) -> int:  # n rows of p floats
+        return _region(n * p, 4)
+
+    vec = _region(CHUNK, 4)
+    if kernel == "prepare":
+        r = max(f_rows(CHUNK, CHUNK + 4), 2 * parts * t_rows(CHUNK, pct))
+        return t_rows(CHUNK, pk) + t_rows(CHUNK, pv) + 3 * vec + 2 * f_rows(CHUNK, CHUNK + 4) + r
+    if kernel == "states":
+        bv, nw = b["BV"], b.warps
+        stage = t_rows(CHUNK, pk) + f_rows(CHUNK, dk + 4) + f_rows(CHUNK, bv + 4) + vec
+        buf = 0 if half else f_rows(16, max(dk, CHUNK) + 4)
+        return 2 * stage + (2 * t_rows(CHUNK, pk) if half else 0) + nw * buf
+    buf = 0 if half else f_rows(16, CHUNK + 4)  # a warp's A rows (float32 path)
+    if kernel == "output":
+        bv = b["BV"]
+        return (
+            2 * t_rows(CHUNK, pk)
+            + parts * (t_rows(bv, pk) + t_rows(CHUNK, bv + pad))
+            + vec
+            + 4 * buf
+        )
+    if kernel == "states_back":
+        bv, nw = b["BV"], b.warps
+        stage = 2 * t_rows(CHUNK, pk) + f_rows(CHUNK, dk + 4) + t_rows(CHUNK, bv + pad) + vec
+        wide = 0 if half else f_rows(16, max(dk, CHUNK) + 4)
+        return (
+            b["STAGES"] * stage
+            + (2 * t_rows(CHUNK, pk) if half else 0)
+            + parts * (t_rows(CHUNK, CHUNK + pad) + t_rows(CHUNK, bv + pad))
+            + nw * wide
+        )
+    if kernel == "grads":
+        kb = b["KB"]
+        wide = 0 if half else f_rows(16, max(dv, CHUNK) + 4)
+        return (
+            2 * t_rows(CHUNK, kb + pad)
+            + t_rows(CHUNK, pv)
+            + parts * t_rows(CHUNK, pv)
+            + parts * t_rows(dv, kb + pad)
+            + 2 * vec
+            + _region(8, 4)
+            + 4 * wide
+        )
+    if kernel == "prepare_back":
+        return (
+            t_rows(CHUNK, pk)
+            + t_rows(CHUNK, pv)
+            + parts * (2 * t_rows(CHUNK, pct) + t_rows(CHUNK, max(dk, dv) + pad))
+            + 4 * vec
+            + 4 * buf
+        )
+    raise ValueError(f"no CUDA kernel delta/{kernel}")

@@ -300,3 +300,34 @@ def op(run: Runner = launch, backend: str | None = None):
         return backward(*primals, *cotangents, run=run, backend=backend)
 
     return gated_delta
+
+
+def cuda_geometry(kernel: str, s: Sizes, dtype: mx.Dtype) -> Geometry:
+    """The CUDA bodies' geometry: blocks.CUDA's shape for (kernel, head dim, dtype), one grid
+    axis (MLX's grid counts threads), the block index split by the body as the Metal one's but
+    for prepare and output, which take a block per value head (and output per BV value columns):
+      prepare                  (b, value head, chunk)
+      states, states_back      (b, value head, value block)
+      output                   (b, value head, chunk, value block)
+      grads                    (b, key head, chunk, key block)
+      prepare_back             (b, key head, chunk)
+    Dynamic shared memory from blocks.cuda_shared_bytes, passed to the body as SMEM too."""
+    g = blocks.cuda(kernel, s.dk, dtype)
+    b, n, key_blocks = s.batch, s.chunks, 1
+    if kernel in ("states", "states_back"):
+        groups = b * s.value_heads * (s.dv // g["BV"])
+    elif kernel == "output":
+        groups = b * s.value_heads * n * (s.dv // g["BV"])
+    elif kernel == "grads":
+        key_blocks = s.dk // g["KB"]
+        groups = b * s.key_heads * n * key_blocks
+    elif kernel == "prepare":
+        groups = b * s.value_heads * n
+    else:
+        groups = b * s.key_heads * n
+    smem = blocks.cuda_shared_bytes(kernel, s.dk, s.dv, dtype, g)
+    template = [*g.template, ("SMEM", smem)]
+    return Geometry((groups * g.threads, 1, 1), (g.threads, 1, 1), template, key_blocks, smem)
+
+
+GEOMETRY["cuda"] = cuda_geometry
