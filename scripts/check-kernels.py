@@ -52,7 +52,7 @@ def check_delta(backend: str, small: bool) -> int:
     print("| key dim | chunk | scan error | reverse scan error | ok |\n|---:|---:|---:|---:|---|")
     failed = 0
     for dk, c in ((64, 64), (128, 64), (128, 256)) if not small else ((64, 16), (128, 40)):
-        e = delta_scan.kernel_vs_twin(routing.Case(backend, mx.float32, dk, c, op="delta"), n, dv)
+        e = delta_scan.kernel_vs_twin(routing.ScanCase(backend, dk, c), n, dv)
         ok = max(e.values()) <= 1e-5
         failed += not ok
         print(
@@ -88,7 +88,7 @@ def main() -> int:
     print("|---:|---:|---|---|---:|---|---:|---|")
     failed = 0
     for dim, g, name, store in [] if a.delta_only else cases(a.small):
-        case = routing.Case(backend, DTYPES[name], dim, g)
+        case = routing.AttentionCase(backend, DTYPES[name], dim, g)
         errors = check.errors(case, sizes, DTYPES[store])
         worst = max(errors, key=lambda k: errors[k][0])
         kernel_error, twin_error = errors[worst]

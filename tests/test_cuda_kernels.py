@@ -44,7 +44,7 @@ def within_the_twins_error(case, store) -> dict:
     ],
 )
 def test_tensor_core_kernels_match_the_twin(on_emulator, dim, groups, dtype, store):
-    case = routing.Case("cuda", dtype, dim, groups)
+    case = routing.AttentionCase("cuda", dtype, dim, groups)
     for name, (error, ok) in within_the_twins_error(case, store).items():
         assert ok, (name, error)
 
@@ -69,7 +69,7 @@ def test_the_emulator_catches_a_broken_kernel(on_emulator, monkeypatch, stem, ol
 
     monkeypatch.setattr(cuda_source, "source", mutated)
     monkeypatch.setattr(cuda_emulator, "source", mutated)
-    case = routing.Case("cuda", mx.bfloat16, dim, 2)
+    case = routing.AttentionCase("cuda", mx.bfloat16, dim, 2)
     assert not all(ok for _, ok in within_the_twins_error(case, mx.bfloat16).values())
 
 

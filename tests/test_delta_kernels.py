@@ -14,7 +14,7 @@ F32 = 1e-5
 
 @pytest.mark.parametrize("dk, chunk", [(32, 16), (64, 40), (128, 64)])
 def test_scans_match_the_ops_recurrence(on_harness, dk, chunk):
-    errors = delta_scan.kernel_vs_twin(routing.Case("metal", mx.float32, dk, chunk, op="delta"))
+    errors = delta_scan.kernel_vs_twin(routing.ScanCase("metal", dk, chunk))
     assert max(errors.values()) < F32, errors
 
 
@@ -108,7 +108,7 @@ def test_the_harness_catches_a_broken_scan(on_harness, monkeypatch, stem, old, n
     monkeypatch.setattr(build, "source", mutated)
     build.kernel.cache_clear()
     try:
-        errors = delta_scan.kernel_vs_twin(routing.Case("metal", mx.float32, 32, 16, op="delta"))
+        errors = delta_scan.kernel_vs_twin(routing.ScanCase("metal", 32, 16))
     finally:
         monkeypatch.undo()
         build.kernel.cache_clear()
@@ -117,7 +117,7 @@ def test_the_harness_catches_a_broken_scan(on_harness, monkeypatch, stem, old, n
 
 def test_delta_routing(monkeypatch):
     monkeypatch.setattr(routing, "backend", lambda: "cuda")
-    case = routing.Case("cuda", mx.float32, 64, 16, op="delta")
+    case = routing.ScanCase("cuda", 64, 16)
     monkeypatch.setattr(routing, "_verdicts", {case: True})
     monkeypatch.delenv("MLXWALK_KERNELS", raising=False)
     assert not delta_scan.use_kernel(64, 16)  # CUDA: measured slower than the ops

@@ -35,7 +35,7 @@ F32 = 1e-5  # float32: the kernels accumulate in float32 like the twin, in anoth
 )
 def test_float32_kernels_match_the_twin(on_harness, dim, groups, kv_heads):
     sizes = check.Sizes(kv_heads=kv_heads, chunk=45, start=100, grad_from=37)
-    case = routing.Case("metal", mx.float32, dim, groups)
+    case = routing.AttentionCase("metal", mx.float32, dim, groups)
     for name, (kernel_error, _) in check.errors(case, sizes).items():
         assert kernel_error < F32, name
 
@@ -51,7 +51,7 @@ def test_float32_kernels_match_the_twin(on_harness, dim, groups, kv_heads):
 def test_half_precision_within_the_twins_own_error(on_harness, dtype, store, dim, groups):
     """In float16/bfloat16 (with a store of another dtype in the mixed cases) the kernels' error
     against the float32 reference is no worse than the twin's own in that dtype."""
-    case = routing.Case("metal", dtype, dim, groups)
+    case = routing.AttentionCase("metal", dtype, dim, groups)
     sizes = check.Sizes(kv_heads=1, chunk=40, start=70, grad_from=25)
     for name, (kernel_error, twin_error) in check.errors(case, sizes, store).items():
         assert kernel_error <= 1.5 * twin_error + 1e-6, name
@@ -82,7 +82,7 @@ def test_no_prefix_and_untapped_prefix(on_harness):
     """The first chunk (no prefix) and a prefix that takes no gradient (no taps)."""
     for start, grad_from in ((0, 0), (64, 64)):
         sizes = check.Sizes(chunk=33, start=start, grad_from=grad_from)
-        case = routing.Case("metal", mx.float32, 64, 2)
+        case = routing.AttentionCase("metal", mx.float32, 64, 2)
         for name, (kernel_error, _) in check.errors(case, sizes).items():
             assert kernel_error < F32, (start, name)
 
@@ -174,12 +174,14 @@ def test_routing(monkeypatch):
     q, k = mx.zeros((1, 4, 8, 64)), mx.zeros((1, 2, 8, 64))
     assert path(q, k, None) == "twin"  # the CPU: no GPU backend
     monkeypatch.setattr(routing, "backend", lambda: "cuda")
-    monkeypatch.setattr(routing, "_verdicts", {routing.Case("cuda", mx.float32, 64, 2): True})
+    monkeypatch.setattr(
+        routing, "_verdicts", {routing.AttentionCase("cuda", mx.float32, 64, 2): True}
+    )
     assert path(q, k, None) == "kernel"
     assert path(q, k, None, auto=True) == "twin"  # CUDA at 64: mlx-lm's fused path wins
     h, hk = mx.zeros((1, 4, 8, 256), mx.bfloat16), mx.zeros((1, 2, 8, 256), mx.bfloat16)
-    routing._verdicts[routing.Case("cuda", mx.bfloat16, 256, 2)] = True
-    routing._verdicts[routing.Case("cuda", mx.float32, 256, 2)] = True
+    routing._verdicts[routing.AttentionCase("cuda", mx.bfloat16, 256, 2)] = True
+    routing._verdicts[routing.AttentionCase("cuda", mx.float32, 256, 2)] = True
     assert path(h, hk, None, auto=True) == "kernel"  # CUDA at 256, bf16: the kernels win
     assert path(h.astype(mx.float32), hk.astype(mx.float32), None, auto=True) == "twin"
     x80, x64 = mx.zeros((1, 2, 8, 80)), mx.zeros((1, 2, 8, 64))
@@ -288,7 +290,7 @@ def test_the_harness_catches_a_broken_kernel(on_harness, monkeypatch, stem, old,
 
     mutating(monkeypatch, stem, (old, new))
     try:
-        case = routing.Case("metal", mx.float32, dim, 2)
+        case = routing.AttentionCase("metal", mx.float32, dim, 2)
         errors = check.errors(case, check.Sizes(chunk=40, start=70, grad_from=25))
     finally:
         monkeypatch.undo()

@@ -138,7 +138,7 @@ def recurrence(u0, w, qg, p, kd, g_end, s, differentiable: bool = True):
             return _kernel_recurrence(u0, w, qg, p, kd, g_end, s)[:2]
         got = _kernel_scan(u0, w, qg, p, kd, g_end, s, keep=False)[:2]
         want = _walk_chunks(u0, w, qg, p, kd, g_end, s, keep=False)[:2]
-        case = routing.Case(routing.backend(), mx.float32, w.shape[-1], u0.shape[-2], op="delta")
+        case = routing.ScanCase(routing.backend(), w.shape[-1], u0.shape[-2])
         routing.compare(got, want, case, "delta/scan")
     if not differentiable:
         return _walk_chunks(u0, w, qg, p, kd, g_end, s, keep=False)[:2]
@@ -253,11 +253,11 @@ def mlx_fast(q, k, v, log_g, beta, state):
     return y.astype(q.dtype), s.astype(mx.float32)
 
 
-def _mlx_fast_case(q, v) -> routing.Case:
+def _mlx_fast_case(q, v) -> routing.MlxDeltaCase:
     """MLX's op covers some shapes only: one case per (key heads, value heads, key dim, value
     dim, dtype)."""
     hk, dk, hv, dv = q.shape[-2], q.shape[-1], v.shape[-2], v.shape[-1]
-    return routing.Case(routing.backend(), q.dtype, dk, dv, op=f"mlx-delta {hk}/{hv}")
+    return routing.MlxDeltaCase(routing.backend(), q.dtype, hk, hv, dk, dv)
 
 
 def use_mlx_fast(q, v) -> bool:
@@ -269,26 +269,26 @@ def use_mlx_fast(q, v) -> bool:
     return routing.decide(_mlx_fast_case(q, v), mlx_fast_vs_ops, mlx_fast_race)
 
 
-def _layer(case: routing.Case, t: int):
-    hk, hv = (int(x) for x in case.op.split()[1].split("/"))
+def _layer(case: routing.MlxDeltaCase, t: int):
+    hk, hv, dk, dv = case.key_heads, case.value_heads, case.key_dim, case.value_dim
     rng = np.random.default_rng(0)
 
     def normal(*shape, scale=1.0):
         return mx.array((scale * rng.standard_normal(shape)).astype(np.float32))
 
     x = [
-        normal(1, t, hk, case.dim, scale=0.3).astype(case.dtype),
-        normal(1, t, hk, case.dim, scale=0.3).astype(case.dtype),
-        normal(1, t, hv, case.groups).astype(case.dtype),
+        normal(1, t, hk, dk, scale=0.3).astype(case.dtype),
+        normal(1, t, hk, dk, scale=0.3).astype(case.dtype),
+        normal(1, t, hv, dv).astype(case.dtype),
         -mx.array(rng.uniform(0.01, 0.3, (1, t, hv)).astype(np.float32)),
         mx.array(rng.uniform(0.1, 0.9, (1, t, hv)).astype(np.float32)),
-        normal(1, hv, case.groups, case.dim, scale=0.5),
+        normal(1, hv, dv, dk, scale=0.5),
     ]
-    cots = [normal(1, t, hv, case.groups).astype(case.dtype), normal(1, hv, case.groups, case.dim)]
+    cots = [normal(1, t, hv, dv).astype(case.dtype), normal(1, hv, dv, dk)]
     return x, cots
 
 
-def mlx_fast_vs_ops(case: routing.Case) -> dict[str, float]:
+def mlx_fast_vs_ops(case: routing.MlxDeltaCase) -> dict[str, float]:
     x, cots = _layer(case, 70)
     got = mx.vjp(mlx_fast, x, cots)
     want = mx.vjp(gated_delta, x, cots)
@@ -296,7 +296,7 @@ def mlx_fast_vs_ops(case: routing.Case) -> dict[str, float]:
     return {"mlx gated_delta_update": max(routing.relative_error(a, b) for a, b in pairs)}
 
 
-def mlx_fast_race(case: routing.Case, size: tuple[int, int]) -> tuple[float, float]:
+def mlx_fast_race(case: routing.MlxDeltaCase, size: tuple[int, int]) -> tuple[float, float]:
     """Seconds for a layer's forward and backward over size[0] positions: MLX's op, then ours."""
     x, cots = _layer(case, size[0])
     mlx_s, ours_s = (

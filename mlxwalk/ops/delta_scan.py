@@ -67,11 +67,11 @@ def _kernel_recurrence_vjp(primals, cotangents, outputs):
     )
 
 
-def _kernel_case(dk: int, chunk: int) -> routing.Case | None:
+def _kernel_case(dk: int, chunk: int) -> routing.ScanCase | None:
     b = routing.backend()
     if b is None or routing.mode() == "off" or not delta_kernels.supports(dk, chunk):
         return None
-    return routing.Case(b, mx.float32, dk, chunk, op="delta")
+    return routing.ScanCase(b, dk, chunk)
 
 
 # On CUDA the scans lose to the ops at the GPU's chunk of 256 (scripts/bench-delta.py --kernels,
@@ -88,10 +88,10 @@ def use_kernel(dk: int, chunk: int) -> bool:
     return routing.decide(case, kernel_vs_twin, race)
 
 
-def _case(case: routing.Case, n: int, dv: int, heads: int) -> tuple[list, list]:
+def _case(case: routing.ScanCase, n: int, dv: int, heads: int) -> tuple[list, list]:
     """Recurrence inputs and cotangents for a case: n chunks, a non-zero initial state."""
     rng = np.random.default_rng(0)
-    c, dk = case.groups, case.dim
+    c, dk = case.chunk, case.key_dim
     lead = (n, 1, 1, heads)
 
     def normal(*shape, scale=0.1):
@@ -112,7 +112,7 @@ def _case(case: routing.Case, n: int, dv: int, heads: int) -> tuple[list, list]:
     return inputs, cots
 
 
-def race(case: routing.Case, size: tuple[int, int]) -> tuple[float, float]:
+def race(case: routing.ScanCase, size: tuple[int, int]) -> tuple[float, float]:
     """Seconds for the recurrence forward and backward, scans then ops (median of three after a
     warm-up): `size` = (chunks, value heads of dim 128)."""
     inputs, cots = _case(case, size[0], 128, size[1])
@@ -126,7 +126,7 @@ def race(case: routing.Case, size: tuple[int, int]) -> tuple[float, float]:
     return scans_s, ops_s
 
 
-def kernel_vs_twin(case: routing.Case, n: int = 3, dv: int = 32) -> dict[str, float]:
+def kernel_vs_twin(case: routing.ScanCase, n: int = 3, dv: int = 32) -> dict[str, float]:
     """The self-check: the scan kernels against the ops recurrence on a small case (n chunks, a
     non-zero initial state, two value heads), forward and backward."""
     inputs, cots = _case(case, n, dv, 2)

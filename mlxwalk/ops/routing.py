@@ -4,9 +4,10 @@ MLXWALK_KERNELS=auto (default) routes to a kernel where one applies and passed i
 off keeps every op on its pure-MLX twin; check runs both on every call, returns the twin's
 result and reports a disagreement; on runs every kernel that applies and passes its self-check,
 whatever the measurements say (the CUDA tables and the Metal race below). The self-check runs
-once per case (attention: backend, dtype, head dim, grouped-query ratio; the delta rule: key dim
-and chunk): a small case through the kernel and the twin; a compile error or a mismatch prints
-one line naming the kernel and the case, and that case stays on the ops path.
+once per case (AttentionCase: backend, dtype, head dim, grouped-query ratio; ScanCase: key dim
+and chunk; MlxDeltaCase: a layer's heads and dims): a small case through the kernel and the
+twin; a compile error or a mismatch prints one line naming the kernel and the case, and that
+case stays on the ops path.
 
 On CUDA, where the kernels are measured (docs/BENCHMARKS.md), `auto` follows that table. On
 Metal, where nothing could be measured while the kernels were written, the first use also races
@@ -21,6 +22,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import mlx.core as mx
 
@@ -35,30 +37,60 @@ MODES = ("auto", "off", "check", "on")
 TOLERANCE = {mx.float32: 1e-3, mx.float16: 2e-2, mx.bfloat16: 4e-2}
 
 
+def _name(dtype: mx.Dtype) -> str:
+    return str(dtype).removeprefix("mlx.core.")
+
+
 @dataclass(frozen=True)
-class Case:
-    """What a kernel's self-check covers: attention per (dtype, head dim, GQA ratio); the delta
-    rule per (key dim, chunk) (`groups` holds the chunk)."""
+class AttentionCase:
+    """What an attention kernel's self-check covers."""
 
     backend: str
     dtype: mx.Dtype
-    dim: int
-    groups: int
-    op: str = "attention"
-    store: mx.Dtype | None = None  # attention: the K/V store's dtype (None: the inputs')
+    head_dim: int
+    gqa: int  # query heads per key/value head
+    store: mx.Dtype | None = None  # the K/V store's dtype (None: the inputs')
+    op: ClassVar[str] = "attention"
 
     def __str__(self) -> str:
-        if self.op == "delta":
-            return f"{self.backend} delta rule key dim {self.dim} chunk {self.groups}"
-        if self.op.startswith("mlx-delta"):
-            name = str(self.dtype).removeprefix("mlx.core.")
-            return (
-                f"{self.backend} {name} gated_delta_update {self.op.split()[1]} heads, dims "
-                f"{self.dim}/{self.groups}"
-            )
-        name = str(self.dtype).removeprefix("mlx.core.")
-        store = f" ({str(self.store).removeprefix('mlx.core.')} store)" if self.store else ""
-        return f"{self.backend} {name} head dim {self.dim} GQA {self.groups}{store}"
+        store = f" ({_name(self.store)} store)" if self.store else ""
+        return f"{self.backend} {_name(self.dtype)} head dim {self.head_dim} GQA {self.gqa}{store}"
+
+
+@dataclass(frozen=True)
+class ScanCase:
+    """What the delta rule's scan kernels' self-check covers (float32 throughout)."""
+
+    backend: str
+    key_dim: int
+    chunk: int
+    dtype: ClassVar[mx.Dtype] = mx.float32
+    op: ClassVar[str] = "delta"
+
+    def __str__(self) -> str:
+        return f"{self.backend} delta rule key dim {self.key_dim} chunk {self.chunk}"
+
+
+@dataclass(frozen=True)
+class MlxDeltaCase:
+    """What MLX's own gated_delta_update is checked and raced on: one layer's shape."""
+
+    backend: str
+    dtype: mx.Dtype
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+    op: ClassVar[str] = "mlx-delta"
+
+    def __str__(self) -> str:
+        return (
+            f"{self.backend} {_name(self.dtype)} gated_delta_update {self.key_heads}/"
+            f"{self.value_heads} heads, dims {self.key_dim}/{self.value_dim}"
+        )
+
+
+Case = AttentionCase | ScanCase | MlxDeltaCase
 
 
 def relative_error(a: mx.array, b: mx.array) -> float:
@@ -99,7 +131,7 @@ def attention_case(q: mx.array, k: mx.array, store: mx.Dtype | None = None) -> C
     b = backend()
     if b is None:
         return None
-    return Case(b, q.dtype, q.shape[-1], q.shape[1] // k.shape[1], store=store)
+    return AttentionCase(b, q.dtype, q.shape[-1], q.shape[1] // k.shape[1], store)
 
 
 def forced() -> bool:
@@ -112,7 +144,7 @@ def decide(case: Case, check: Checker, race: Racer | None = None) -> bool:
     """A case's verdict, found once: the self-check, then on Metal the race (when given)."""
     if case not in _verdicts:
         ok = self_check(case, check)
-        kind = case.op.split()[0]
+        kind = case.op
         raced = RACE and kind in RACE and race is not None and not forced()
         if ok and case.backend == "metal" and raced:
             ok = won_race(case, race)
@@ -133,7 +165,7 @@ def seconds(step: Callable[[], object]) -> float:
 
 
 def won_race(case: Case, race: Racer) -> bool:
-    kind = case.op.split()[0]
+    kind = case.op
     size = RACE[kind]
     kernel_s, twin_s = race(case, size)
     if kernel_s <= twin_s:

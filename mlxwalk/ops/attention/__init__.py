@@ -62,7 +62,7 @@ def path(
         return "twin"
     if not attention_kernels.supports(q, k, k if v is None else v, arrays[0].dtype):
         return "twin"
-    measured = case.dim in CUDA_HEAD_DIMS and case.dtype in CUDA_DTYPES
+    measured = case.head_dim in CUDA_HEAD_DIMS and case.dtype in CUDA_DTYPES
     if auto and case.backend == "cuda" and not measured and not routing.forced():
         return "twin"
     if not routing.decide(case, check.kernel_vs_twin, check.race):

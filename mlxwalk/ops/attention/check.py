@@ -9,6 +9,7 @@ import mlx.core as mx
 import numpy as np
 
 from .. import routing
+from ..routing import AttentionCase as Case
 from . import kernel, twin
 from .prefix import Prefix
 
@@ -59,7 +60,7 @@ class Sizes:
 OUTPUTS = ("out", "dq", "dk", "dv", "dtap_k", "dtap_v")
 
 
-def inputs(case: routing.Case, sizes: Sizes, store: mx.Dtype, up: bool = False) -> dict:
+def inputs(case: Case, sizes: Sizes, store: mx.Dtype, up: bool = False) -> dict:
     """One chunk's attention inputs, seeded; `up`: their float32 copies (the reference's)."""
     rng = np.random.default_rng(0)
     hkv, n, start = sizes.kv_heads, sizes.chunk, sizes.start
@@ -69,9 +70,10 @@ def inputs(case: routing.Case, sizes: Sizes, store: mx.Dtype, up: bool = False) 
         x = mx.array(rng.standard_normal(shape).astype(np.float32)).astype(case.dtype)
         return x.astype(dtype)
 
-    q = normal(1, hkv * case.groups, n, case.dim)
-    k, v, d_out = normal(1, hkv, n, case.dim), normal(1, hkv, n, case.dim), normal(*q.shape)
-    keys, values = normal(1, hkv, start + n, case.dim), normal(1, hkv, start + n, case.dim)
+    d = case.head_dim
+    q = normal(1, hkv * case.gqa, n, d)
+    k, v, d_out = normal(1, hkv, n, d), normal(1, hkv, n, d), normal(*q.shape)
+    keys, values = normal(1, hkv, start + n, d), normal(1, hkv, start + n, d)
     prefix = Prefix(Store(keys, values, mx.float32 if up else store), 0, start, dtype)
     return {
         "q": q,
@@ -79,7 +81,7 @@ def inputs(case: routing.Case, sizes: Sizes, store: mx.Dtype, up: bool = False) 
         "v": v,
         "prefix": prefix,
         "grad_from": sizes.grad_from,
-        "scale": case.dim**-0.5,
+        "scale": case.head_dim**-0.5,
         "d_out": d_out,
     }
 
@@ -93,11 +95,11 @@ def through(path: str, x: dict) -> dict:
     return dict(zip(OUTPUTS, [out, *grads]))
 
 
-def run(case: routing.Case, sizes: Sizes, store: mx.Dtype, path: str, up: bool = False) -> dict:
+def run(case: Case, sizes: Sizes, store: mx.Dtype, path: str, up: bool = False) -> dict:
     return through(path, inputs(case, sizes, store, up))
 
 
-def errors(case: routing.Case, sizes: Sizes = Sizes(), store: mx.Dtype | None = None) -> dict:
+def errors(case: Case, sizes: Sizes = Sizes(), store: mx.Dtype | None = None) -> dict:
     """{output: (the kernel's error, the twin's error)}, both against the float32 twin on the
     same inputs (the twin's own error is 0 in float32)."""
     store = store or case.dtype
@@ -107,7 +109,7 @@ def errors(case: routing.Case, sizes: Sizes = Sizes(), store: mx.Dtype | None = 
     return {k: (relative_error(got[k], ref[k]), relative_error(own[k], ref[k])) for k in ref}
 
 
-def kernel_vs_twin(case: routing.Case) -> dict[str, float]:
+def kernel_vs_twin(case: Case) -> dict[str, float]:
     """The self-check: the kernels against the twin on a small case, in the case's dtype."""
     store = case.store or case.dtype  # the instantiation the walk will call
     got = run(case, Sizes(), store, "kernel")
@@ -120,7 +122,7 @@ def kernel_vs_twin(case: routing.Case) -> dict[str, float]:
     }
 
 
-def race(case: routing.Case, size: tuple[int, int]) -> tuple[float, float]:
+def race(case: Case, size: tuple[int, int]) -> tuple[float, float]:
     """Seconds for one chunk's attention forward and backward, kernel then twin (the median of
     three after a warm-up): `size[0]` queries over a prefix of `size[1]`, every key tapped."""
     x = inputs(case, Sizes(chunk=size[0], start=size[1], grad_from=0), case.dtype)
