@@ -34,9 +34,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from . import routing
-from .delta_recurrence import _recurrence_with_states, _walk_chunks
-from .delta_scan import _kernel_recurrence, _kernel_scan, use_kernel
+from . import delta_recurrence, delta_scan, routing
+from .delta_recurrence import Factors
 
 CHUNK: int | None = None  # positions per chunk; None: chunk_size() picks by backend
 
@@ -127,23 +126,22 @@ def _chunks(x: mx.array, n: int, c: int) -> mx.array:
     return x.transpose(1, 0, 3, 2, *range(4, 4 + len(rest)))
 
 
-def recurrence(u0, w, qg, p, kd, g_end, s, differentiable: bool = True):
+def recurrence(f: Factors, s: mx.array, differentiable: bool = True):
     """(outputs, exit state) of the chunk recurrence; entry states are kept for the VJP only.
     On the scan kernels where they apply (MLXWALK_KERNELS=check: compared with the ops, whose
     result goes on)."""
-    if use_kernel(w.shape[-1], u0.shape[-2]):
+    if delta_scan.use_kernel(f.w.shape[-1], f.u0.shape[-2]):
         if routing.mode() != "check":
             if not differentiable:
-                return _kernel_scan(u0, w, qg, p, kd, g_end, s, keep=False)[:2]
-            return _kernel_recurrence(u0, w, qg, p, kd, g_end, s)[:2]
-        got = _kernel_scan(u0, w, qg, p, kd, g_end, s, keep=False)[:2]
-        want = _walk_chunks(u0, w, qg, p, kd, g_end, s, keep=False)[:2]
-        case = routing.ScanCase(routing.backend(), w.shape[-1], u0.shape[-2])
+                return delta_scan.scan(f, s, keep=False)[:2]
+            return delta_scan.recurrence(f, s)[:2]
+        got = delta_scan.scan(f, s, keep=False)[:2]
+        want = delta_recurrence.walk(f, s, keep=False)[:2]
+        case = routing.ScanCase(routing.backend(), f.w.shape[-1], f.u0.shape[-2])
         routing.compare(got, want, case, "delta/scan")
     if not differentiable:
-        return _walk_chunks(u0, w, qg, p, kd, g_end, s, keep=False)[:2]
-    o, s_exit, _ = _recurrence_with_states(u0, w, qg, p, kd, g_end, s)
-    return o, s_exit
+        return delta_recurrence.walk(f, s, keep=False)[:2]
+    return delta_recurrence.recurrence(f, s)[:2]
 
 
 def gated_delta_chunked(q, k, v, log_g, beta, state, differentiable: bool = True):
@@ -179,7 +177,8 @@ def gated_delta_chunked(q, k, v, log_g, beta, state, differentiable: bool = True
     g_end = gamma[..., -1:][..., None]  # (n, B, Hk, r, 1, 1)
 
     s0 = state.astype(f32).reshape(b, hk, r, dv, dk)
-    o, s = recurrence(u0, w, qg, p, kd, g_end, s0, differentiable)
+    factors = Factors(u0=u0, w=w, qg=qg, p=p, kd=kd, g_end=g_end)
+    o, s = recurrence(factors, s0, differentiable)
     y = o.transpose(1, 0, 4, 2, 3, 5).reshape(b, n * c, hv, dv)[:, :t]
     return y.astype(out_dtype), s.reshape(b, hv, dv, dk)
 

@@ -4,7 +4,33 @@ its adjoint walked in reverse. The reference and the fallback of the scan kernel
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import mlx.core as mx
+
+
+class Factors(NamedTuple):
+    """The chunk factors delta.py builds and the sequential part consumes, each
+    (n chunks, B, Hk, r, c, ...): r value heads per key head, c positions per chunk."""
+
+    u0: mx.array  # (..., c, Dv): the chunk's writes T diag(beta) V, before the state's share
+    w: mx.array  # (..., c, Dk): T diag(beta gamma) K, what the entering state takes from u0
+    qg: mx.array  # (..., c, Dk): the queries, decayed from the chunk's start
+    p: mx.array  # (..., c, c): (Q K^T) times the decay, causal
+    kd: mx.array  # (..., c, Dk): the keys, decayed to the chunk's end
+    g_end: mx.array  # (..., 1, 1): the chunk's whole decay
+
+
+def walk(f: Factors, s: mx.array, keep: bool = True):
+    """The sequential part in MLX ops, no gradient: (outputs, exit state, entry states if
+    `keep`)."""
+    return _walk_chunks(*f, s, keep)
+
+
+def recurrence(f: Factors, s: mx.array):
+    """The same, differentiable: its VJP walks the adjoint in reverse from the entry states it
+    keeps. (outputs, exit state, entry states)."""
+    return _recurrence_with_states(*f, s)
 
 
 def _walk_chunks(u0, w, qg, p, kd, g_end, s, keep: bool = True):

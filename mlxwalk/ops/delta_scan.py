@@ -11,12 +11,23 @@ import numpy as np
 import metal_kernels.delta as delta_kernels
 
 from . import routing
-from .delta_recurrence import _recurrence_with_states
+from .delta_recurrence import Factors, _recurrence_with_states
 
 
 def _flat(x: mx.array) -> mx.array:
     """(n, B, Hk, r, ...) -> (n, B Hk r, ...): the kernels' heads."""
     return x.reshape(x.shape[0], -1, *x.shape[4:])
+
+
+def scan(f: Factors, s: mx.array, keep: bool = True):
+    """The forward scan kernel, no gradient: (outputs, exit state, entry states if `keep`)."""
+    return _kernel_scan(*f, s, keep)
+
+
+def recurrence(f: Factors, s: mx.array):
+    """The scan kernels, differentiable (the reverse scan in the VJP): (outputs, exit state,
+    entry states)."""
+    return _kernel_recurrence(*f, s)
 
 
 def _kernel_scan(u0, w, qg, p, kd, g_end, s, keep: bool = True):
