@@ -3,98 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import signal
 import sys
 
-from . import tiny
-
-
-def _test_walk_exact(args: argparse.Namespace) -> int:
-    if args.backend == "torch":
-        return _test_walk_exact_torch(args)
-    from . import exactness
-    from .training import models
-
-    if args.model:
-        chosen = [(args.model, str(models.resolve(args.model)))]
-    else:
-        chosen = [(name, str(tiny.path(name))) for name in tiny.MODELS]
-    return 0 if exactness.run(chosen, as_json=args.json) else 1
-
-
-def _test_walk_exact_torch(args: argparse.Namespace) -> int:
-    try:
-        from .torch_backend import exactness, model
-    except ImportError as e:
-        raise RuntimeError(f"the torch backend needs pip install 'mlxwalk[torch]' ({e})") from None
-    names = [args.model] if args.model else list(tiny.MODELS)
-    chosen = [
-        (n, str(model.tiny_folder(n) if n in {**tiny.MODELS, **tiny.FAMILIES} else n))
-        for n in names
-    ]
-    return 0 if exactness.run(chosen, as_json=args.json, device=args.device) else 1
-
-
-def _plan(args: argparse.Namespace) -> int:
-    from . import planning
-
-    return planning.run(args)
-
-
-def _train(args: argparse.Namespace) -> int:
-    from .training.options import config_from
-
-    cfg = config_from(args)
-    if cfg.backend == "torch":
-        try:
-            from .torch_backend.train import train_run
-        except ImportError as e:
-            raise RuntimeError(
-                f"the torch backend needs pip install 'mlxwalk[torch]' ({e})"
-            ) from None
-    else:
-        from .training.run import train_run
-    train_run(cfg)
-    return 0
-
-
-def _convert_adapter(args: argparse.Namespace) -> int:
-    from .training.convert import convert
-
-    written = convert(args.src, args.dst, args.model)
-    print(f"{args.dst}: the adapter in {'mlx-lm' if written == 'mlx' else 'PEFT'}'s format")
-    return 0
+from . import commands
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mlxwalk", description=__doc__)
     sub = p.add_subparsers(dest="command")
-    from .training.options import add_flags
-
-    tr = sub.add_parser("train", help="train an adapter (no arguments: the bundled sample)")
-    add_flags(tr)
-    tr.set_defaults(run=_train)
-    t = sub.add_parser("test-walk-exact", help="the walk's gradient against one graph, row by row")
-    t.add_argument("-m", "--model", help="a model folder or hub id (default: every bundled model)")
-    t.add_argument("--json", action="store_true", help="print the rows as JSON")
-    t.add_argument(
-        "--backend",
-        choices=("mlx", "torch"),
-        default="mlx",
-        help="torch: transformers + PEFT through the torch walk (extra [torch])",
-    )
-    t.add_argument("--device", help="torch's device for --backend torch (default: the CPU)")
-    t.set_defaults(run=_test_walk_exact)
-
-    c = sub.add_parser("convert-adapter", help="a LoRA adapter from PEFT to mlx-lm or back")
-    c.add_argument("src", help="a folder holding adapter_model.safetensors or adapters.safetensors")
-    c.add_argument("dst", help="a new or empty folder for the other format")
-    c.add_argument("--model", help="the base model's folder (its layer count, PEFT to mlx-lm)")
-    c.set_defaults(run=_convert_adapter)
-
-    p_plan = sub.add_parser("plan", help="what a walk will need, and whether it fits")
-    add_flags(p_plan, plan=True)
-    p_plan.set_defaults(run=_plan)
+    for name, module in commands.NAMES.items():
+        command = importlib.import_module(f"mlxwalk.commands.{module}")
+        c = sub.add_parser(name, help=command.HELP)
+        command.add_arguments(c)
+        c.set_defaults(run=command.run)
     return p
 
 

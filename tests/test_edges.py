@@ -17,7 +17,8 @@ import mlx_lm
 import numpy as np
 import pytest
 
-from mlxwalk import _blas, cli, planning, tiny
+from mlxwalk import _blas, cli, tiny
+from mlxwalk.commands import plan as planning
 from mlxwalk.plan import Labels, PlanError, plan_window
 from mlxwalk.plugin import lora
 from mlxwalk.training import files, models

@@ -2,7 +2,8 @@
 
 import numpy as np
 
-from mlxwalk.exactness import BARS, EXACT, Table, compare
+from mlxwalk.commands.test_walk_exact import Table
+from mlxwalk.grading import BARS, EXACT, compare
 from mlxwalk.walk import ExactWalk, WalkConfig, Window, window_gradient
 
 

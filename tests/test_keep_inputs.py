@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from mlxwalk import window_gradient
-from mlxwalk.exactness import BARS, EXACT, compare
+from mlxwalk.grading import BARS, EXACT, compare
 from mlxwalk.plan import MIB, PlanError
 from mlxwalk.walk import ExactWalk, WalkConfig, Window
 from mlxwalk.walk.taps import Layers

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from mlxwalk import window_gradient
-from mlxwalk.exactness import BARS, EXACT, compare
+from mlxwalk.grading import BARS, EXACT, compare
 from mlxwalk.walk import accum, taps
 
 N = 128

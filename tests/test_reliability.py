@@ -334,7 +334,7 @@ def small_vocab(tmp_path_factory) -> str:
 
 
 def test_probes_draw_ids_the_model_has(small_vocab, monkeypatch):
-    from mlxwalk import exactness
+    from mlxwalk.commands import test_walk_exact as exactness
 
     model, _ = mlx_lm.load(small_vocab)
     seen = []
@@ -432,9 +432,9 @@ def test_q8_is_refused_and_not_offered_for_heads_mlx_cannot_quantize(narrow_head
 
 
 def test_test_walk_exact_prints_every_row_on_such_a_model(narrow_heads, capsys):
-    from mlxwalk import exactness
+    from mlxwalk.commands import test_walk_exact as exactness
 
-    ok = exactness.run([("head16", narrow_heads)], as_json=True)
+    ok = exactness.table([("head16", narrow_heads)], as_json=True)
     out = json.loads(capsys.readouterr().out)
     assert ok and out["ok"] and len(out["rows"]) == 13
     (q8,) = [r for r in out["rows"] if "q8" in r["what"]]

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from mlxwalk import window_gradient
-from mlxwalk.exactness import BARS, EXACT, compare, upper_layers_only
+from mlxwalk.commands.test_walk_exact import upper_layers_only
+from mlxwalk.grading import BARS, EXACT, compare
 from mlxwalk.walk import ExactWalk, WalkConfig, Window, arch, exact, runner
 
 N = 128

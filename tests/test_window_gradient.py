@@ -5,7 +5,8 @@ import pytest
 from mlx.utils import tree_flatten
 
 from mlxwalk import window_gradient
-from mlxwalk.exactness import BARS, EXACT, Table, compare
+from mlxwalk.commands.test_walk_exact import Table
+from mlxwalk.grading import BARS, EXACT, compare
 
 N = 128
 rng = np.random.default_rng(1)

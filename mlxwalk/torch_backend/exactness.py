@@ -18,7 +18,7 @@ from dataclasses import asdict
 import numpy as np
 import torch
 
-from ..exactness import BARS, EXACT, Row, compare, compared_row, refusal_row
+from ..grading import BARS, EXACT, Row, compare, compared_row, refusal_row
 from ..plan import MIB, OutOfMemory
 from ..walk.config import Window
 from . import model as models

@@ -5,12 +5,21 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .errors import ConfigError, OutOfMemory
-from .plan import mib, plan_window
-from .training import adapters
-from .walk import ExactWalk, WalkConfig, Window, arch, budget, machine
-from .walk.exact import probe
-from .walk.store import check_cache_type
+from ..errors import ConfigError, OutOfMemory
+from ..plan import mib, plan_window
+from ..training import adapters
+from ..walk import ExactWalk, WalkConfig, Window, arch, budget, machine
+from ..walk.exact import probe
+from ..walk.store import check_cache_type
+from . import torch_module
+
+HELP = "what a walk will need, and whether it fits"
+
+
+def add_arguments(p) -> None:
+    from ..training.options import add_flags
+
+    add_flags(p, plan=True)
 
 
 def report(model, name: str, window: int, config: WalkConfig, echo=print) -> bool:
@@ -100,7 +109,7 @@ def machine_verdict(total: int, echo) -> bool:
 def check(args) -> None:
     """The plan's options (TrainConfig's defaults where not given), range-checked before the
     model loads, each refusal naming its flag."""
-    from .training.config import TrainConfig, at_least, layers, positive
+    from ..training.config import TrainConfig, at_least, layers, positive
 
     defaults = TrainConfig()
     for name in vars(args):
@@ -120,17 +129,11 @@ def check(args) -> None:
 
 
 def run(args) -> int:
-    from .training import models
+    from ..training import models
 
     check(args)
     if args.backend == "torch":
-        try:
-            from .torch_backend import planning
-        except ImportError as e:
-            raise RuntimeError(
-                f"the torch backend needs pip install 'mlxwalk[torch]' ({e})"
-            ) from None
-        return planning.run(args)
+        return torch_module("planning").run(args)
     model, _ = models.load(args.model, tokenizer=False)
     limit = models.max_positions(model)
     if limit is not None and args.window > limit:

@@ -16,10 +16,11 @@ The adapter is moved to a random nonzero point first, so every LoRA gradient is 
 
 from __future__ import annotations
 
+import argparse
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import mlx.core as mx
 import mlx.optimizers as optim
@@ -27,51 +28,14 @@ import numpy as np
 from mlx import nn
 from mlx.utils import tree_flatten, tree_map
 
-from .plan import MIB, OutOfMemory
-from .walk import ExactWalk, WalkConfig, Window, arch, train_window, window_gradient
-from .walk.store import q8_fits
+from ..grading import BARS, EXACT, Row, compare, compared_row, flat, refusal_row
+from ..plan import MIB, OutOfMemory
+from ..walk import ExactWalk, WalkConfig, Window, arch, train_window, window_gradient
+from ..walk.store import q8_fits
+from . import torch_module
 
-EXACT = "cosine >= 0.99999, relative L2 error <= 1e-4"
-BARS: dict[str, Callable[[float, float], bool]] = {  # (cosine, relative L2 error)
-    EXACT: lambda c, e: c >= 0.99999 and e <= 1e-4,
-    "cosine >= 0.9999": lambda c, e: c >= 0.9999,
-    "cosine >= 0.999": lambda c, e: c >= 0.999,
-    "cosine >= 0.99": lambda c, e: c >= 0.99,
-    "cosine < 0.95 (tells the walks apart)": lambda c, e: c < 0.95,
-}
 ATTENTION = {"tiled": "chunk_attention", "fused": "mlx-lm's"}
 CACHE_BARS = {"float16": "cosine >= 0.999", "bfloat16": "cosine >= 0.999", "q8": "cosine >= 0.99"}
-
-
-@dataclass
-class Row:
-    model: str
-    row: str
-    what: str
-    bar: str
-    ok: bool
-    cosine: float | None = None
-    rel_l2: float | None = None  # |walk - reference| / |reference|
-    detail: str = ""
-
-    def line(self) -> str:
-        if self.cosine is not None:
-            got = f"cosine {self.cosine:.6f}, rel. L2 error {self.rel_l2:.1e}"
-        else:
-            got = self.detail
-        verdict = "OK" if self.ok else "FAILED"
-        return f"  {self.row:<5}{self.what:<58}{got:<44}{verdict:<7}[{self.bar}]"
-
-
-def flat(tree) -> np.ndarray:
-    return np.concatenate([np.asarray(v, np.float64).ravel() for _, v in tree_flatten(tree)])
-
-
-def compare(grads, reference) -> tuple[float, float]:
-    """(cosine, relative L2 error |a - b| / |b|) of two gradient trees, in float64."""
-    a, b = flat(grads), flat(reference)
-    na, nb = np.linalg.norm(a), np.linalg.norm(b)
-    return float(a @ b / (na * nb)), float(np.linalg.norm(a - b) / nb)
 
 
 def prepare(model: nn.Module, seed: int = 0, rank: int = 8) -> nn.Module:
@@ -103,28 +67,6 @@ def upper_layers_only(model: nn.Module, first: int) -> Iterator[None]:
             for key in keys:
                 path, leaf = key.rsplit(".", 1)
                 dict(layer.named_modules())[path].unfreeze(keys=[leaf], recurse=False)
-
-
-def compared_row(model: str, row: str, what: str, bar: str, walk, reference) -> Row:
-    """A row comparing `walk()` with `reference()` (gradients, any framework); an error is the
-    row's FAILED detail, so one row's failure never hides the others."""
-    try:
-        c, e = compare(walk(), reference())
-    except (ValueError, RuntimeError, MemoryError) as err:
-        detail = "error: " + (str(err).splitlines() or [type(err).__name__])[0][:120]
-        return Row(model, row, what, bar, False, detail=detail)
-    return Row(model, row, what, bar, BARS[bar](c, e), c, e)
-
-
-def refusal_row(model: str, message: str, untouched: bool) -> Row:
-    """Row (3): a host budget of 1 byte is refused, naming host memory, the adapter untouched."""
-    detail = ("refused" if message else "not refused") + (
-        ", adapter untouched" if untouched else ", adapter changed"
-    )
-    ok = "host memory" in message and untouched
-    return Row(
-        model, "(3)", "host budget of 1 byte", "refused, adapter untouched", ok, detail=detail
-    )
 
 
 class Table:
@@ -274,9 +216,9 @@ def header(name: str, table: Table) -> str:
     )
 
 
-def run(models: list[tuple[str, str]], as_json: bool = False, echo=print) -> bool:
+def table(models: list[tuple[str, str]], as_json: bool = False, echo=print) -> bool:
     """Run every row on every (name, path); print the table; True when every row is OK."""
-    from .training import models as loading
+    from ..training import models as loading
 
     rows: list[Row] = []
     for name, path in models:
@@ -299,9 +241,42 @@ def run(models: list[tuple[str, str]], as_json: bool = False, echo=print) -> boo
 
 def kernels_line() -> str:
     """Which kernels ran (the cases routed to one: attention, the delta rule's scans)."""
-    from .ops import routing
+    from ..ops import routing
 
     ran = [str(case) for case, ok in routing.verdicts().items() if ok]
     off = [str(case) for case, ok in routing.verdicts().items() if not ok]
     line = "kernels: " + ("; ".join(ran) if ran else f"none ({routing.why_none()})")
     return line + (f"; ops path after a failed self-check: {'; '.join(off)}" if off else "")
+
+
+HELP = "the walk's gradient against one graph, row by row"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", help="a model folder or hub id (default: every bundled model)")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON")
+    p.add_argument(
+        "--backend",
+        choices=("mlx", "torch"),
+        default="mlx",
+        help="torch: transformers + PEFT through the torch walk (extra [torch])",
+    )
+    p.add_argument("--device", help="torch's device for --backend torch (default: the CPU)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from .. import tiny
+
+    if args.backend == "torch":
+        exactness, model = torch_module("exactness"), torch_module("model")
+        names = [args.model] if args.model else list(tiny.MODELS)
+        bundled = {**tiny.MODELS, **tiny.FAMILIES}
+        chosen = [(n, str(model.tiny_folder(n) if n in bundled else n)) for n in names]
+        return 0 if exactness.run(chosen, as_json=args.json, device=args.device) else 1
+    from ..training import models
+
+    if args.model:
+        chosen = [(args.model, str(models.resolve(args.model)))]
+    else:
+        chosen = [(name, str(tiny.path(name))) for name in tiny.MODELS]
+    return 0 if table(chosen, as_json=args.json) else 1
