@@ -179,6 +179,9 @@ def test_every_block_shape_fits_and_launches():
         assert geo.threadgroup == (b.threads, 1, 1) and geo.grid[0] % b.threads == 0
         assert b.why
     assert set(blocks.CUDA_DIMS) == {64, 128}
+    for dim, ok in ((64, True), (128, True), (96, False)):
+        q, v = mx.zeros((1, 10, 2, dim), mx.bfloat16), mx.zeros((1, 10, 4, dim), mx.bfloat16)
+        assert chunked.supports(q, q, v, "cuda") == ok
     assert all(
         (k, d, w) in blocks.CUDA for k in STEMS for d in (64, 128) for w in ("half", "float")
     )

@@ -137,9 +137,9 @@ GEOMETRY: dict[str, Callable[[str, Sizes, mx.Dtype], Geometry]] = {"metal": meta
 
 
 def supports(q: mx.array, k: mx.array, v: mx.array, backend: str | None = None) -> bool:
-    """The shapes and dtypes these kernels take: DK = DV of the backend's table (Metal: 64, 128),
-    value heads a multiple of key heads, q, k, v of one floating dtype."""
-    dims = blocks.METAL_DIMS if _backend(backend) == "metal" else ()
+    """The shapes and dtypes these kernels take: DK = DV of the backend's table (Metal: 64, 128;
+    CUDA: 64, 128), value heads a multiple of key heads, q, k, v of one floating dtype."""
+    dims = {"metal": blocks.METAL_DIMS, "cuda": blocks.CUDA_DIMS}.get(_backend(backend), ())
     return (
         q.shape == k.shape
         and q.shape[-1] == v.shape[-1]
