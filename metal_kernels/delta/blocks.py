@@ -277,18 +277,29 @@ CUDA: dict[tuple[str, int, str], CudaBlocks] = {
     ),
     ("prepare", 64, "float"): _c(4, f"{_CHUNK_ROWS}; K, V 17 KiB each as float32"),
     ("prepare", 128, "float"): _c(4, f"{_CHUNK_ROWS}; K, V 33 KiB each as float32: 1 block an SM"),
-    ("states", 64, "half"): _c(4, "BV 64: B x HV x DV / 64 blocks; two stages of K, w, u", BV=64),
+    ("states", 64, "half"): _c(
+        4,
+        "BV 32 rows, DKS 2 warps on each 16 (32 key columns each): 2 x B x HV blocks, half the "
+        "products a chunk of one warp holding all 64 columns; two stages of K, w, u",
+        BV=32,
+        DKS=2,
+    ),
     ("states", 128, "half"): _c(
         4,
-        "BV 64: 4 warps, the state 64 floats a lane; K 17 + w 33 + "
-        "u 17 KiB a stage, two stages + w's parts 34 KiB = 169 KiB",
-        BV=64,
+        "BV 32 rows, DKS 2 warps on each 16 (64 key columns each, the state 32 floats a lane): "
+        "B x HV x 4 blocks (128 at Qwen3.5's 32 value heads, on 132 SMs; BV 64 would fill 64), "
+        "160 products a warp a chunk instead of 320 (the walk is latency-bound); K 17 + w 33 + "
+        "u 9 KiB a stage, two stages + w's parts 34 + the pairs' partials 16 KiB = 169 KiB",
+        BV=32,
+        DKS=2,
     ),
-    ("states", 64, "float"): _c(4, "BV 64; float32 stages", BV=64),
+    ("states", 64, "float"): _c(4, "BV 32, DKS 2 as half; float32 stages", BV=32, DKS=2),
     ("states", 128, "float"): _c(
         4,
-        "BV 64; K 33 + w 33 + u 17 KiB a stage, two stages, + the warps' A rows 33 KiB = 200 KiB",
-        BV=64,
+        "BV 32, DKS 2 as half; K 33 + w 33 + u 9 KiB a stage, two stages, + the warps' A rows 33 "
+        "+ partials 16 KiB = 200 KiB",
+        BV=32,
+        DKS=2,
     ),
     ("output", 64, "half"): _c(
         4,
@@ -305,21 +316,25 @@ CUDA: dict[tuple[str, int, str], CudaBlocks] = {
     ("output", 64, "float"): _c(4, f"{_CHUNK_ROWS}; BV 64, float32 stages", BV=64),
     ("output", 128, "float"): _c(4, f"{_CHUNK_ROWS}; BV 64, float32 stages", BV=64),
     ("states_back", 64, "half"): _c(
-        4, "BV 64 as states; Q, K, w, dO double buffered", BV=64, STAGES=2
+        4, "BV 32, DKS 2 as states; Q, K, w, dO double buffered", BV=32, DKS=2, STAGES=2
     ),
     ("states_back", 128, "half"): _c(
         4,
-        "BV 64 as states; Q, K 17 + w 33 + dO 9 KiB a stage, two "
-        "stages + w's parts 34 + P's 18 + diag(gamma) dO's 18 KiB "
-        "= 222 KiB: one block an SM",
-        BV=64,
+        "BV 32, DKS 2 as states (288 products a warp a chunk instead of 576); Q, K 17 + w 33 + "
+        "dO 5 KiB a stage, two stages + w's parts 34 + P's 18 + diag(gamma) dO's 10 + the pairs' "
+        "partials 16 KiB = 222 KiB: one block an SM",
+        BV=32,
+        DKS=2,
         STAGES=2,
     ),
-    ("states_back", 64, "float"): _c(4, "BV 64; float32 stages, two", BV=64, STAGES=2),
+    ("states_back", 64, "float"): _c(
+        4, "BV 32, DKS 2; float32 stages, two", BV=32, DKS=2, STAGES=2
+    ),
     ("states_back", 128, "float"): _c(
         4,
-        "BV 64; one float32 stage (Q, K, w 33 KiB each, dO 17): two would take 238 KiB",
-        BV=64,
+        "BV 32, DKS 2; one float32 stage (Q, K, w 33 KiB each, dO 9): two would take 292 KiB",
+        BV=32,
+        DKS=2,
         STAGES=1,
     ),
     ("grads", 64, "half"): _c(4, f"{_CHUNK_ROWS}; KB 64 (all of DK)", KB=64),
@@ -375,10 +390,11 @@ def cuda_shared_bytes(kernel: str, dk: int, dv: int, dtype: mx.Dtype, b: CudaBlo
         r = max(f_rows(CHUNK, CHUNK + 4), 2 * parts * t_rows(CHUNK, pct))
         return t_rows(CHUNK, pk) + t_rows(CHUNK, pv) + 3 * vec + 2 * f_rows(CHUNK, CHUNK + 4) + r
     if kernel == "states":
-        bv, nw = b["BV"], b.warps
+        bv, nw, dks = b["BV"], b.warps, b["DKS"]
         stage = t_rows(CHUNK, pk) + f_rows(CHUNK, dk + 4) + f_rows(CHUNK, bv + 4) + vec
         buf = 0 if half else f_rows(16, max(dk, CHUNK) + 4)
-        return 2 * stage + (2 * t_rows(CHUNK, pk) if half else 0) + nw * buf
+        xch = f_rows(16, CHUNK) if dks > 1 else 0
+        return 2 * stage + (2 * t_rows(CHUNK, pk) if half else 0) + nw * (buf + xch)
     buf = 0 if half else f_rows(16, CHUNK + 4)  # a warp's A rows (float32 path)
     if kernel == "output":
         bv = b["BV"]
@@ -392,11 +408,12 @@ def cuda_shared_bytes(kernel: str, dk: int, dv: int, dtype: mx.Dtype, b: CudaBlo
         bv, nw = b["BV"], b.warps
         stage = 2 * t_rows(CHUNK, pk) + f_rows(CHUNK, dk + 4) + t_rows(CHUNK, bv + pad) + vec
         wide = 0 if half else f_rows(16, max(dk, CHUNK) + 4)
+        xch = f_rows(16, CHUNK) if b["DKS"] > 1 else 0
         return (
             b["STAGES"] * stage
             + (2 * t_rows(CHUNK, pk) if half else 0)
             + parts * (t_rows(CHUNK, CHUNK + pad) + t_rows(CHUNK, bv + pad))
-            + nw * wide
+            + nw * (wide + xch)
         )
     if kernel == "grads":
         kb = b["KB"]

@@ -11,7 +11,8 @@
 // and masked in its registers and used as the A operand of dP' K (k-steps up to the warp's rows);
 // dw from dv_new's rows read straight into fragments (the A operand) against h; dP'^T directly as
 // v_new dO^T for the warp's rows j, then dP'^T Q (k-steps from the warp's rows on); last
-// v_new dh with dh staged where h was. No Q K^T: the gates' share comes from q.dq - k.dk.
+// v_new dh with dh swapped in where h was (<dh, h> taken on the way). No Q K^T: the gates'
+// share comes from q.dq - k.dk.
 // Template: T, DK, DV, KB, SMEM.
 using namespace mlxwalk_dt;
 constexpr int THREADS = 128, PARTS = Prec<T>::parts, PAD = Prec<T>::pad;
@@ -123,17 +124,10 @@ for (int gi = 0; gi < R; ++gi) {
     });
     mm_frag<1, KB / 8, CH / 16>(ak, dpt, exact<PQ, true>(sQ), lane, wbuf, warp, CH / 16);
   }
-  float fro = 0.0f;  // this thread's part of <dh, h> over the block's columns
-  for (int e = tid; e < DV * KB / 4; e += THREADS) {
-    const size_t at = hc + size_t(e / (KB / 4)) * DK + (e % (KB / 4)) * 4;
-    const float4 x = *reinterpret_cast<const float4*>(h + at);
-    const float4 y = *reinterpret_cast<const float4*>(dh + at);
-    fro += x.x * y.x + x.y * y.y + x.z * y.z + x.w * y.w;
-  }
   __syncthreads();  // every warp is done with h's parts
-  load_split<T, DV, KB, PQ, THREADS>(sS, dh + hc, DK, DV, tid);
-  cp_commit();
-  cp_wait<0>();
+  // dh's columns where h's were, this thread's part of <dh, h> taken on the way (h as its parts:
+  // within 2^-16 of it on the half path)
+  const float fro = swap_split<T, DV, KB, PQ, THREADS>(sS, dh + hc, DK, tid);
   __syncthreads();
   float lastk;  // this lane's part of sum_j k_j.(diag(d) v_new dh)_j
   {

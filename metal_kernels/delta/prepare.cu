@@ -92,13 +92,14 @@ __syncthreads();
   }
 }
 __syncthreads();
-// C = alpha A B (M x N, K deep), float32 in shared memory, outputs spread over the block.
-auto small_mm = [&](float* cm, const float* am, const float* bm, int m, int n, int kd,
-                    float alpha) {
-  for (int e = tid; e < m * n; e += THREADS) {
-    const int i = e / n, j = e % n;
+// C = alpha A B (size x size, float32 in shared memory, outputs spread over the block), with B
+// lower triangular (b_lower: the sum from k = column on) or A lower triangular (to k = row).
+auto small_mm = [&](float* cm, const float* am, const float* bm, int size, float alpha,
+                    bool b_lower) {
+  for (int e = tid; e < size * size; e += THREADS) {
+    const int i = e / size, j = e % size;
     float s = 0.0f;
-    for (int q = 0; q < kd; ++q) {
+    for (int q = b_lower ? j : 0; q < (b_lower ? size : i + 1); ++q) {
       s = fmaf(am[i * PC + q], bm[q * PC + j], s);
     }
     cm[i * PC + j] = alpha * s;
@@ -107,12 +108,12 @@ auto small_mm = [&](float* cm, const float* am, const float* bm, int m, int n, i
 for (int size = 16; size < CH; size *= 2) {  // merge pairs of blocks: 16 -> 32 -> 64
   for (int p = 0; p < CH / (2 * size); ++p) {  // X = A21 T11
     const int r1 = 2 * p * size, r2 = r1 + size;
-    small_mm(sX + r1 * PC, sA + r2 * PC + r1, sT + r1 * PC + r1, size, size, size, 1.0f);
+    small_mm(sX + r1 * PC, sA + r2 * PC + r1, sT + r1 * PC + r1, size, 1.0f, true);
   }
   __syncthreads();
   for (int p = 0; p < CH / (2 * size); ++p) {  // T21 = -T22 X
     const int r1 = 2 * p * size, r2 = r1 + size;
-    small_mm(sT + r2 * PC + r1, sT + r2 * PC + r2, sX + r1 * PC, size, size, size, -1.0f);
+    small_mm(sT + r2 * PC + r1, sT + r2 * PC + r2, sX + r1 * PC, size, -1.0f, false);
   }
   __syncthreads();
 }

@@ -4,16 +4,20 @@
 //   dh_c = dS,   dv_new = P^T dO + diag(d) K dS^T,
 //   dS <- gamma_C dS + dO^T diag(gamma) Q - dv_new^T w,
 // and after chunk 0 the initial state's gradient d_state = dS.
-// states.cu's ownership: a block owns BV value rows of one (b, value head), warp j rows 16 j..
-// of dS (16 x DK float32 C fragments) for the whole walk. Per chunk the block stages Q, K, dO (its
-// BV columns; exact) and w, cum (STAGES = 2: double buffered through cp.async), then shares P
-// (the warps compute its row blocks, stored as hi + lo), diag(gamma) dO and w as derived parts.
-// Per warp, transposed so that the adjoint stays in registers: dv_new^T (16 x 64) = dO^T P +
-// (dS K^T) diag(d), dS's fragments the A operand of the second product; then dS += (diag(gamma)
-// dO)^T Q - dv_new^T w, dv_new^T's fragments (negated) the A operand of the last.
-// Template: T, DK, DV, BV, STAGES (1 or 2), SMEM.
+// states.cu's ownership: a block owns BV value rows of one (b, value head), DKS warps on each 16,
+// warp (j, p) holding rows 16 j.. and key columns p DK / DKS.. of dS (float32 C fragments) for
+// the whole walk. Per chunk the block stages Q, K, dO (its BV columns; exact) and w, cum
+// (STAGES = 2: double buffered through cp.async), then shares P (the warps compute its row
+// blocks, stored as hi + lo), diag(gamma) dO and w as derived parts. Per warp, transposed so that
+// the adjoint stays in registers: dv_new^T (16 x 64) = (dS K^T) diag(d) + dO^T P, dS's fragments
+// the A operand of the first product (its k range, the key columns, shared by the DKS warps) and
+// dO^T P's columns shared too, the partial sums meeting through shared memory at a pair barrier;
+// then dS += (diag(gamma) dO)^T Q - dv_new^T w over the warp's key columns, dv_new^T's fragments
+// (negated) the A operand of the last.
+// Template: T, DK, DV, BV, DKS (1 or 2), STAGES (1 or 2), SMEM.
 using namespace mlxwalk_dt;
-constexpr int NW = BV / 16, THREADS = 32 * NW, PARTS = Prec<T>::parts, PAD = Prec<T>::pad;
+constexpr int NW = BV / 16 * DKS, THREADS = 32 * NW, PARTS = Prec<T>::parts, PAD = Prec<T>::pad;
+constexpr int DKH = DK / DKS;  // a warp's key columns
 constexpr int PK = DK + PAD, PW = DK + 4, PO = BV + PAD, PM = CH + PAD;
 constexpr int S_Q = region<T>(CH * PK), S_W = region<float>(CH * PW), S_O = region<T>(CH * PO);
 constexpr int STAGE = 2 * S_Q + S_W + S_O + region<float>(CH);
@@ -21,16 +25,20 @@ constexpr int O_WH = STAGES * STAGE;
 constexpr int O_M = O_WH + (Prec<T>::half ? 2 * region<T>(CH * PK) : 0);
 constexpr int O_OG = O_M + PARTS * region<T>(CH * PM), O_BUF = O_OG + PARTS * region<T>(CH * PO);
 constexpr int BUF = Prec<T>::half ? 0 : region<float>(16 * ((DK > CH ? DK : CH) + 4));
-constexpr int O_END = O_BUF + NW * BUF;
+constexpr int O_X = O_BUF + NW * BUF;
+constexpr int XCH = DKS > 1 ? region<float>(16 * CH) : 0;  // a warp's partial dv_new^T
+constexpr int O_END = O_X + NW * XCH;
 static_assert(O_END <= SMEM, "states_back: shared memory past the launch's");
 static_assert(BV % 16 == 0 && DV % BV == 0 && (STAGES == 1 || STAGES == 2), "shape");
+static_assert(DKS == 1 || DKS == 2, "one or two warps on 16 rows");
 extern __shared__ __align__(16) unsigned char smem[];
 
 const int L = params[1], HK = params[2], HV = params[3], N = params[4];
 const int NP = N * CH, VB = DV / BV;
 const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 const int bh = blockIdx.x / VB, b = bh / HV, hv = bh % HV, hk = hv / (HV / HK);
-const int vb0 = (blockIdx.x % VB) * BV, v0 = vb0 + 16 * warp;  // the block's, the warp's rows
+const int rw = warp / DKS, part = warp % DKS;  // the warp's rows, its part of the key columns
+const int vb0 = (blockIdx.x % VB) * BV, v0 = vb0 + 16 * rw, dk0 = part * DKH;
 // Stage s's buffers (computed, not indexed: a run-time index into an array would go to memory).
 auto sQ = [&](int s) { return reinterpret_cast<T*>(smem + s * STAGE); };
 auto sK = [&](int s) { return reinterpret_cast<T*>(smem + s * STAGE + S_Q); };
@@ -46,6 +54,8 @@ for (int i = 0; i < PARTS; ++i) {
   sOg[i] = reinterpret_cast<T*>(smem + O_OG + i * region<T>(CH * PO));
 }
 float* wbuf = reinterpret_cast<float*>(smem + O_BUF + warp * BUF);
+float* mine = reinterpret_cast<float*>(smem + O_X + warp * XCH);
+const float* theirs = reinterpret_cast<const float*>(smem + O_X + (warp ^ 1) * XCH);
 
 auto stage = [&](int c, int s) {  // chunk c's Q, K, dO (the block's columns), w, cum
   const int t0 = c * CH, valid = min(CH, L - t0);
@@ -58,8 +68,8 @@ auto stage = [&](int c, int s) {  // chunk c's Q, K, dO (the block's columns), w
   load_vec<CH, THREADS>(sG(s), cum + rows, 1, CH, tid);
 };
 
-float ds[1][DK / 8][4];  // dS, rows v0.. (16 x DK)
-load_frag(ds, d_final + (size_t(bh) * DV + v0) * DK, DK, lane);
+float ds[1][DKH / 8][4];  // dS, rows v0.., key columns dk0.. (16 x DK / DKS)
+load_frag(ds, d_final + (size_t(bh) * DV + v0) * DK + dk0, DK, lane);
 if constexpr (STAGES == 2) {
   stage(N - 1, 0);
   cp_commit();
@@ -111,27 +121,47 @@ for (int n = 0; n < N; ++n) {
       }
     }
   }
-  store_frag(dh + (((size_t(b) * N + c) * HV + hv) * DV + v0) * DK, DK, ds, lane);
+  store_frag(dh + (((size_t(b) * N + c) * HV + hv) * DV + v0) * DK + dk0, DK, ds, lane);
   __syncthreads();  // P, diag(gamma) dO and w's parts are in
 
   // dv_new^T = (dS K^T) diag(d) + dO^T P, in one accumulator: the state's part first, decayed
   const float last = g[CH - 1];
   float dvn[1][CH / 8][4];
   clear(dvn);
-  mm_frag<1, CH / 8, DK / 16>(dvn, ds, exact<PK, false>(sK(s)), lane, wbuf);
+  mm_frag<1, CH / 8, DKH / 16>(dvn, ds, exact<PK, false>(sK(s)).at(0, dk0), lane, wbuf);
   each(dvn, lane, [&](float& x, int, int j) { x *= expd(last - g[j]); });
-  mm<1, CH / 8, CH / 16>(dvn, exact<PO, true>(sO(s)).at(16 * warp, 0), derived<PM, true>(sM),
-                         lane);
+  const auto dot = exact<PO, true>(sO(s)).at(16 * rw, 0);  // dO^T: element (value, position)
+  if constexpr (DKS == 1) {
+    mm<1, CH / 8, CH / 16>(dvn, dot, derived<PM, true>(sM), lane);
+  } else {  // the pair's halves of dO^T P's columns (P(i, j) = 0 for i < j: k-steps from 2 part)
+    float half[1][CH / 16][4];
+    clear(half);
+    mm<1, CH / 16, CH / 16>(half, dot, derived<PM, true>(sM).at(part * CH / 2, 0), lane, 2 * part);
+#pragma unroll
+    for (int nt = 0; nt < CH / 16; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        if (part == 0) {
+          dvn[0][nt][e] += half[0][nt][e];
+        } else {
+          dvn[0][CH / 16 + nt][e] += half[0][nt][e];
+        }
+      }
+    }
+    pair_sum(dvn, mine, theirs, 1 + rw, lane);
+  }
   float* out = dv_new + (size_t(bh) * NP + t0) * DV + v0;
   each(dvn, lane, [&](float& x, int r, int j) {
-    out[size_t(j) * DV + r] = x;
+    if (j / (CH / DKS) == part) {  // each warp of the pair stores half the positions
+      out[size_t(j) * DV + r] = x;
+    }
     x = -x;  // the A operand of dS -= dv_new^T w
   });
   const float gc = expd(last);
   each(ds, lane, [&](float& x, int, int) { x *= gc; });
-  // dS += (diag(gamma) dO)^T Q - dv_new^T w
-  mm<1, DK / 8, CH / 16>(ds, derived<PO, true>(sOg).at(16 * warp, 0), exact<PK, true>(sQ(s)),
-                         lane);
-  mm_frag<1, DK / 8, CH / 16>(ds, dvn, derived<PK, true>(wop), lane, wbuf);
+  // dS += (diag(gamma) dO)^T Q - dv_new^T w, the warp's key columns
+  mm<1, DKH / 8, CH / 16>(ds, derived<PO, true>(sOg).at(16 * rw, 0),
+                          exact<PK, true>(sQ(s)).at(dk0, 0), lane);
+  mm_frag<1, DKH / 8, CH / 16>(ds, dvn, derived<PK, true>(wop).at(dk0, 0), lane, wbuf);
 }
-store_frag(d_state + (size_t(bh) * DV + v0) * DK, DK, ds, lane);
+store_frag(d_state + (size_t(bh) * DV + v0) * DK + dk0, DK, ds, lane);

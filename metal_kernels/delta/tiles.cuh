@@ -118,6 +118,10 @@ __device__ __forceinline__ float ex2(float x) {
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
+// A barrier for `threads` threads (a multiple of 32) under id (1..15; 0 is __syncthreads').
+__device__ __forceinline__ void bar_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
 // x rounded to T (to nearest even), as a float.
 template <typename T>
 __device__ __forceinline__ float round_to(float x);
@@ -138,6 +142,7 @@ __device__ __forceinline__ float round_to<__half>(float x) {
 }  // namespace mlxwalk_dt
 #else
 namespace mlxwalk_dt {
+using mlxwalk_tc::bar_sync;
 using mlxwalk_tc::cp_async16;
 using mlxwalk_tc::cp_async4;
 using mlxwalk_tc::cp_commit;
@@ -431,7 +436,7 @@ __device__ __forceinline__ void load_split(T* const (&dst)[Prec<T>::parts], cons
                                            size_t stride, int rows, int tid) {
   if constexpr (Prec<T>::half) {
     constexpr int CHN = COLS / 4, N = ROWS * CHN, S = (N + THREADS - 1) / THREADS;
-    constexpr int G = S < 4 ? S : 4;  // loads in flight at once: 4 float4 (16 registers)
+    constexpr int G = S < 8 ? S : 8;  // loads in flight at once: 8 float4 (32 registers)
 #pragma unroll
     for (int s0 = 0; s0 < S; s0 += G) {
       float4 x[G];
@@ -458,6 +463,50 @@ __device__ __forceinline__ void load_split(T* const (&dst)[Prec<T>::parts], cons
   } else {
     load_tile<float, ROWS, COLS, P, THREADS>(dst[0], src, stride, rows, tid);
   }
+}
+
+// load_split through registers on both paths, each element's value in the tile before (hi + lo,
+// or the float) dotted with its new one on the way: this thread's part of <old, new>.
+template <typename T, int ROWS, int COLS, int P, int THREADS>
+__device__ __forceinline__ float swap_split(T* const (&dst)[Prec<T>::parts], const float* src,
+                                            size_t stride, int tid) {
+  constexpr int CHN = COLS / 4, N = ROWS * CHN, S = (N + THREADS - 1) / THREADS;
+  constexpr int G = S < 8 ? S : 8;
+  float dot = 0.0f;
+#pragma unroll
+  for (int s0 = 0; s0 < S; s0 += G) {
+    float4 x[G];
+#pragma unroll
+    for (int s = 0; s < G; ++s) {
+      const int i = tid + (s0 + s) * THREADS;
+      if ((N % THREADS == 0 || i < N) && s0 + s < S) {
+        x[s] = *reinterpret_cast<const float4*>(src + size_t(i / CHN) * stride + (i % CHN) * 4);
+      }
+    }
+#pragma unroll
+    for (int s = 0; s < G; ++s) {
+      const int i = tid + (s0 + s) * THREADS;
+      if ((N % THREADS == 0 || i < N) && s0 + s < S) {
+        const int at = (i / CHN) * P + (i % CHN) * 4;
+        const float nx[4] = {x[s].x, x[s].y, x[s].z, x[s].w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float old = to_float(dst[0][at + e]);
+          if constexpr (Prec<T>::half) {
+            old += to_float(dst[1][at + e]);
+          }
+          dot = fmaf(old, nx[e], dot);
+        }
+        if constexpr (Prec<T>::half) {
+          put2<T>(dst, at, nx[0], nx[1]);
+          put2<T>(dst, at + 2, nx[2], nx[3]);
+        } else {
+          *reinterpret_cast<float4*>(dst[0] + at) = x[s];
+        }
+      }
+    }
+  }
+  return dot;
 }
 
 // A float32 tile staged in shared memory (pitch PS) into a derived tile (half path: hi/lo).
@@ -567,6 +616,36 @@ __device__ __forceinline__ void load_frag(float (&c)[MT][NT][4], const float* sr
   }
 }
 
+
+// A warp pair's partial C fragments summed (two warps sharing rows, each with part of a product's
+// k range): this warp's go to `mine` (in fragment order, lane-major: no bank conflicts), the pair
+// meets at named barrier `id` (64 threads), the partner's (`theirs`) are added. Both warps end
+// with the same sums (a + b == b + a). `mine` is rewritten only after a barrier both pass later.
+template <int MT, int NT>
+__device__ __forceinline__ void pair_sum(float (&c)[MT][NT][4], float* mine, const float* theirs,
+                                         int id, int lane) {
+#pragma unroll
+  for (int m = 0; m < MT; ++m) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        mine[((m * NT + n) * 4 + e) * 32 + lane] = c[m][n][e];
+      }
+    }
+  }
+  bar_sync(id, 64);
+#pragma unroll
+  for (int m = 0; m < MT; ++m) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        c[m][n][e] += theirs[((m * NT + n) * 4 + e) * 32 + lane];
+      }
+    }
+  }
+}
 
 // Rows g and g + 8 of a 16-row C fragment (NT n-tiles) dotted with the same rows of a staged
 // tile (element (r, col) at rows[r * pitch + col]): the quad's sums, in every lane of the quad.
