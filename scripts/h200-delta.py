@@ -535,15 +535,18 @@ def sweep_shapes() -> dict:
     """Other CUDA block shapes per kernel at head dim 128, bf16 (blocks.CUDA's first)."""
     from metal_kernels.delta import blocks
 
-    c = blocks.CudaBlocks
+    def c(warps: int, **template: int):
+        return blocks.CudaBlocks(warps, tuple(template.items()), "")
+
     table = {
-        "states": [c(2, (("BV", 32),), ""), c(8, (("BV", 128),), "")],
-        "output": [c(4, (("BV", 32),), ""), c(4, (("BV", 128),), "")],
+        "states": [c(4, BV=64, DKS=1), c(8, BV=64, DKS=2), c(2, BV=16, DKS=2)],
+        "output": [c(4, BV=32), c(4, BV=128)],
         "states_back": [
-            c(2, (("BV", 32), ("STAGES", 2)), ""),
-            c(4, (("BV", 64), ("STAGES", 1)), ""),
+            c(4, BV=64, DKS=1, STAGES=2),
+            c(4, BV=32, DKS=2, STAGES=1),
+            c(2, BV=16, DKS=2, STAGES=2),
         ],
-        "grads": [c(4, (("KB", 32),), ""), c(4, (("KB", 128),), "")],
+        "grads": [c(4, KB=32), c(4, KB=128)],
     }
     return {k: [blocks.CUDA[(k, 128, "half")], *v] for k, v in table.items()}
 

@@ -314,7 +314,10 @@ def cuda_geometry(kernel: str, s: Sizes, dtype: mx.Dtype) -> Geometry:
     Dynamic shared memory from blocks.cuda_shared_bytes, passed to the body as SMEM too."""
     g = blocks.cuda(kernel, s.dk, dtype)
     b, n, key_blocks = s.batch, s.chunks, 1
-    if kernel in ("states", "states_back"):
+    scan = kernel in ("states", "states_back")
+    if g.warps != (g["BV"] // 16 * g["DKS"] if scan else 4):  # the bodies' own warp counts
+        raise ValueError(f"delta/{kernel}: {g.warps} warps do not fit its blocks {g.template}")
+    if scan:
         groups = b * s.value_heads * (s.dv // g["BV"])
     elif kernel == "output":
         groups = b * s.value_heads * n * (s.dv // g["BV"])
