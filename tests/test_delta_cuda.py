@@ -92,6 +92,24 @@ def test_float32_forward_and_every_gradient_match_the_twin(t, hk, hv, dim, batch
         assert error < F32, (name, error)
 
 
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_the_scans_without_the_key_split(monkeypatch, dtype):
+    """states and states_back with one warp on all of a state's key columns (DKS 1, BV 64) and
+    the reverse scan on one stage, the shapes the H200 sweep tries beside the table's."""
+    width = "float" if dtype == mx.float32 else "half"
+    shapes = {
+        "states": blocks.CudaBlocks(4, (("BV", 64), ("DKS", 1)), "sweep"),
+        "states_back": blocks.CudaBlocks(4, (("BV", 64), ("DKS", 1), ("STAGES", 1)), "sweep"),
+    }
+    for kernel, b in shapes.items():
+        monkeypatch.setitem(blocks.CUDA, (kernel, 64, width), b)
+    x, cots = inputs(150, 1, 2, 64, dtype=dtype)
+    bar = F32 if dtype == mx.float32 else HALF
+    for name, error in errors(x, cots).items():
+        if name in ("final_state", "dlog_g", "dbeta", "dstate") or dtype == mx.float32:
+            assert error < bar, (name, error)
+
+
 @pytest.mark.parametrize("t", [1, 64])
 def test_one_position_and_exactly_one_chunk(t):
     """A chunk of one real position (63 padded rows in every kernel) and one with no padding."""
