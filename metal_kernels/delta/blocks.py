@@ -231,16 +231,19 @@ def metal_threadgroup_bytes(kernel: str, dim: int, dtype: mx.Dtype) -> int:
 # same fragment layout for float32 inputs) on an H200 (sm_90: 132 SMs, 227 KiB of shared memory a
 # block and 228 KiB an SM, 64K registers an SM, 255 a thread). A warp owns 16 rows: a chunk's
 # positions (prepare, output, grads, prepare_back: 4 warps, one per 16 of the chunk's 64 rows) or
-# 16 value rows of a head's state (states, states_back: BV / 16 warps). Operands are staged in
+# 16 value rows of a head's state (states, states_back: BV / 16 x DKS warps, DKS of them sharing
+# 16 rows, each with DK / DKS of its key columns). Operands are staged in
 # shared memory as rows padded by 16 bytes: inputs (q, k, v, dy) in their dtype, derived float32
 # values (w, h, v_new, T, ...) as hi + lo halves on the half path (tiles.cuh says why), so a
 # derived row costs twice an input's. Shared bytes in each reason are at head dim 128, half.
 #   prepare      a block per (b, value head, chunk); K, V, A, T and T diag(.)'s parts.
-#   states       BV value rows a block (the state 16 x DK a warp in registers); the chunk's K,
-#                w, u and cum double buffered through cp.async, w split once per chunk.
+#   states       BV value rows a block (the state 16 x DK / DKS a warp in registers); the
+#                chunk's K, w, u and cum double buffered through cp.async, w split once per chunk;
+#                a walk is latency-bound (a warp's products a chunk, in sequence, N chunks).
 #   output       a block per (b, value head, chunk, BV value columns); Q, K, h_c's BV rows and
 #                v_new's BV columns.
-#   states_back  as states (the adjoint 16 x DK a warp); Q, K, w, dO double buffered, P = Q K^T
+#   states_back  as states (the adjoint 16 x DK / DKS a warp); Q, K, w, dO, cum double buffered
+#                (STAGES 2), P = Q K^T
 #                (.) D and diag(gamma) dO as parts.
 #   grads        a block per (b, key head, chunk, KB key columns), walking the key head's value
 #                heads (dq, dk summed over them in place, as grads.metal); h then dh's KB columns.
@@ -320,7 +323,8 @@ CUDA: dict[tuple[str, int, str], CudaBlocks] = {
     ),
     ("states_back", 128, "half"): _c(
         4,
-        "BV 32, DKS 2 as states (288 products a warp a chunk instead of 576); Q, K 17 + w 33 + "
+        "BV 32, DKS 2 as states (~310 products a warp a chunk, P's included, instead of 576); "
+        "Q, K 17 + w 33 + "
         "dO 5 KiB a stage, two stages + w's parts 34 + P's 18 + diag(gamma) dO's 10 + the pairs' "
         "partials 16 KiB = 222 KiB: one block an SM",
         BV=32,
