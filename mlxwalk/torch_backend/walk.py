@@ -1,16 +1,9 @@
-"""The exact and plain walks over one window for a transformers model with a PEFT adapter: the
-MLX walk's phases (mlxwalk/walk/exact.py) on the shared plan (mlxwalk/plan.py).
-
-  1. decode_forward: every chunk but the last, with no gradient, writes its K/V into the store
-     and hands its exit states on; the states entering every stride-th chunk are kept.
-  2. reverse: every needed chunk, last to first, is a graph whose leaves are the adapter, the
-     tapped prefix K/V on [grad_from, start) and the entry states; its objective is its share of
-     the loss plus <own K/V, adjoint> + <exit states, adjoint>, the adjoints being what later
-     chunks sent back. torch sums the adapter's gradient in `.grad` across chunks; the taps'
-     gradients go to the K/V accumulators, the entry states' to the state adjoint.
-  3. the caller steps once on the summed gradient.
-The adapter must not change between the start of decode_forward and the end of reverse.
-"""
+"""The exact and plain walks over one window for a transformers model with a PEFT adapter. The
+exact walk's algorithm is mlxwalk/walking.py's, on the shared plan (mlxwalk/plan.py); here are
+its torch mechanics: the store and the caches a chunk reads (cache.py), the K/V gradient
+accumulators (on the device or in pinned host memory), a chunk's graph differentiated with
+`.backward()` (the adapter's gradient summed in `.grad` across chunks), and under a memory budget
+the placement of the store and accumulators (budget.py)."""
 
 from __future__ import annotations
 
@@ -24,10 +17,11 @@ import numpy as np
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ..errors import ConfigError, OutOfMemory
+from ..errors import ConfigError
 from ..plan import Footprint, cut, plan_window
-from ..walk.budget import Activations, graph_bytes, narrowed
+from ..walk.budget import Activations, graph_bytes
 from ..walk.config import Window
+from ..walking import ExactAlgorithm
 from . import budget as budgets
 from .cache import Store, WalkCache
 from .model import footprint
@@ -122,9 +116,9 @@ class Walk:
         )
         return out.last_hidden_state
 
-    def decode(self, start: int, end: int, states: dict, write: bool = True) -> dict:
-        """One chunk with no gradient (and no output head): its K/V into the store; its exit
-        states."""
+    def decode_span(self, start: int, end: int, states: dict, write: bool = True) -> dict:
+        """Positions [start, end) with no gradient (and no output head): their K/V into the
+        store; their exit states."""
         with torch.no_grad():
             cache = WalkCache(self.store, start, end, states, write=write)
             self.hidden(start, end, cache)
@@ -260,7 +254,7 @@ class Accumulators:
         return sum(x.numel() * x.element_size() for kv in self.kv.values() for x in kv)
 
 
-class ExactWalk(Walk):
+class ExactWalk(Walk, ExactAlgorithm):
     """One window's exact walk; the plan, its placement under a memory budget (budget.py) and
     any refusal come before any tensor of the window."""
 
@@ -322,106 +316,54 @@ class ExactWalk(Walk):
     def graph_bytes(self, taps: int, prefix: int) -> int:
         return graph_bytes(self.acts, self.footprint, taps, prefix)
 
-    def grad_from(self, chunk) -> int:
-        """The chunk's first tapped position: the plan's, or, when its graph would not fit the
-        memory budget, `narrowed_taps` before it (this chunk only; logged)."""
-        taps = chunk.start - chunk.grad_from
-        narrowed = self.narrowed_taps(chunk)
-        if narrowed < taps:
-            log.info(
-                "chunk %d: its graph with %d tapped positions exceeds the memory budget of "
-                "%.1f MiB; horizon narrowed to %d for this chunk",
-                chunk.index,
-                taps,
-                self.config.memory_budget_mib,
-                narrowed,
-            )
-            self.horizon_used = min(self.horizon_used or narrowed, narrowed)
-        return chunk.start - narrowed
+    # --- the mechanics the shared algorithm (mlxwalk/walking.py) runs on ---------------------
 
-    def narrowed_taps(self, chunk) -> int:
-        taps = chunk.start - chunk.grad_from
-        if self.estimate is None or chunk.start == 0:
-            return taps
+    @property
+    def recurrent(self) -> bool:
+        return self.footprint.recurrent
+
+    @property
+    def budget_mib(self) -> float | None:
+        return None if self.estimate is None else self.config.memory_budget_mib
+
+    def fits(self, chunk, taps: int) -> bool:
         est, budget = self.estimate, mib_bytes(self.config.memory_budget_mib)
-        rest = est.gpu - est.chunk_graph
         copied = est.store_at == "host"  # the taps come up from host memory into the graph
-
-        def fits(t: int) -> bool:
-            return rest + self.graph_bytes(t, chunk.start) + copied * self.tap_bytes(t) <= budget
-
-        return narrowed(taps, self.plan.chunk, fits)
-
-    def refuse_narrowing(self) -> None:
-        """--strict-exact: a window whose gradient the budget would cut is refused up front."""
-        for chunk in self.plan.chunks:
-            taps = chunk.start - chunk.grad_from
-            if (fewer := self.narrowed_taps(chunk)) < taps:
-                raise OutOfMemory(
-                    f"the memory budget of {self.config.memory_budget_mib:,.0f} MiB fits chunk "
-                    f"{chunk.index} only with its horizon narrowed from {taps} to {fewer} "
-                    "positions, and --strict-exact refuses a gradient that is not exact: raise "
-                    "--memory-budget-mib, or give a smaller --chunk"
-                )
+        rest = est.gpu - est.chunk_graph
+        return rest + self.graph_bytes(taps, chunk.start) + copied * self.tap_bytes(taps) <= budget
 
     def run(self) -> float:
         """The window's loss; the adapter's gradient is in its parameters' `.grad`. The phases'
         seconds go to `seconds`, what the GPU held after the decode to `memory`; the store, the
         accumulators and the checkpoints are let go before it returns."""
-        with self.walking():
-            start = _now(self.device)
-            self.decode_forward()
-            decoded = _now(self.device)
-            self.memory = {"after decode": _allocated(self.device)}
-            loss = self.reverse()
-        self.seconds = {"decode": decoded - start, "reverse": _now(self.device) - decoded}
+        start = _now(self.device)
+        loss = self.walk()
+        self.seconds = {"decode": self.decoded - start, "reverse": _now(self.device) - self.decoded}
         self.accumulator_bytes, self.store_bytes = self.acc.bytes(), self.store.bytes()
         self.acc.release()
         self.store = self.acc = None
         self.checkpoints = {}
         return loss
 
-    def decode_forward(self) -> None:
-        self.new_store(self.plan.computed)
-        self.checkpoints, states = {}, {}
-        chunks = self.plan.chunks
-        for chunk in chunks:
-            if self.plan.checkpointed(chunk.index):
-                self.checkpoints[chunk.index] = states
-            if chunk is not chunks[-1]:  # no later chunk reads the last one's K/V or state
-                states = self.decode(chunk.start, chunk.end, states)
-            self.tick("decode", chunk.index + 1, len(chunks))
+    def zero_state(self) -> dict:
+        return {}
 
-    def entry_states(self, index: int) -> dict:
-        """The states entering chunk `index`: its checkpoint, or decoded from the nearest one."""
-        if not self.footprint.recurrent:
-            return {}
-        first = index - index % self.plan.stride
-        states = self.checkpoints[first] if first > 0 else {}
-        for c in self.plan.chunks[first:index]:
-            states = self.decode(c.start, c.end, states, write=False)
-        return states
+    def decode(self, chunk, states: dict, write: bool = True) -> dict:
+        return self.decode_span(chunk.start, chunk.end, states, write)
 
-    def reverse(self) -> float:
+    def start_reverse(self) -> None:
+        self.decoded = _now(self.device)
+        self.memory = {"after decode": _allocated(self.device)}
         self.acc = Accumulators(self.store, self.config.accumulators, self.device)
         self.memory["accumulators"] = _allocated(self.device)
-        loss = 0.0
-        order = self.plan.reverse()
-        for done, chunk in enumerate(order, 1):
-            loss += self.train_chunk(chunk)
-            self.tick("train", done, len(order))
-        return loss
 
-    def train_chunk(self, chunk) -> float:
-        s, e, gf = chunk.start, chunk.end, self.grad_from(chunk)
+    def finish_reverse(self, loss) -> float:
+        return 0.0 if loss is None else loss
+
+    def train_chunk(self, chunk, entry: dict, gf: int) -> float:
+        s, e = chunk.start, chunk.end
         cache = WalkCache(
-            self.store,
-            s,
-            e,
-            self.entry_states(chunk.index),
-            train=True,
-            grad_from=gf,
-            tap_states=chunk.index > 0,
+            self.store, s, e, entry, train=True, grad_from=gf, tap_states=chunk.index > 0
         )
         loss = self.chunk_loss(s, e, cache)
         objective = loss
@@ -506,7 +448,7 @@ class PlainWalk(Walk):
                 if step is not None:
                     step()
             if chunk is not chunks[-1]:
-                states = self.decode(chunk.start, chunk.end, states)
+                states = self.decode_span(chunk.start, chunk.end, states)
             self.tick("train", chunk.index + 1, len(chunks))
         return loss
 

@@ -102,14 +102,6 @@ def graph_bytes(acts: Activations, footprint: Footprint, taps: int, prefix: int 
     return int(acts.graph + (acts.tap_factor * taps + acts.prefix_factor * prefix) * width)
 
 
-def narrowed(taps: int, size: int, fits) -> int:
-    """The tapped positions a chunk's graph fits with (`fits(taps)`): all of them, else half and
-    again, a multiple of the chunk `size`, never below one chunk. Shared by both frameworks."""
-    while taps > size and not fits(taps):
-        taps = max(size, taps // 2 // size * size)
-    return taps
-
-
 def estimate(
     model,
     layout,
@@ -195,6 +187,5 @@ __all__ = [
     "admit",
     "estimate",
     "live_peak",
-    "narrowed",
     "what_fits",
 ]

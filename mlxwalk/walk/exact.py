@@ -1,23 +1,11 @@
-"""The exact walk over one window (see docs/DESIGN.md):
-  1. decode_forward: every chunk but the last (whose K/V no chunk reads), first to last, runs
-     with no gradient against the K/V store of the positions before it; its K/V go into the
-     store, and (recurrent layers) the state entering every stride-th chunk is kept.
-  2. reverse: every needed chunk, last to first, runs as a graph whose inputs are the adapter, the
-     prefix K/V on [grad_from, start) and the entry state; its objective is its share of the loss
-     plus <own K/V, adjoint> + <exit state, adjoint>, the adjoints being what later chunks sent
-     back.
-     The gradients go to the adapter's sum, the K/V accumulators and the state adjoint.
-  3. the caller takes one optimizer step on the summed gradient.
-
-Invariant: the adapter does not change between the start of decode_forward and the end of
-reverse. The reverse pass recomputes each chunk's K/V and exit state and pairs them with adjoints
-taken against the stored ones; a step in between would make every surrogate the gradient of a
-different function.
-"""
+"""The exact walk over one window on MLX: the algorithm is mlxwalk/walking.py's (decode the
+window forward into the K/V store, then train it chunk by chunk in reverse, narrowing a chunk's
+horizon only where the memory budget asks); here are its MLX mechanics: the plan and its
+admission under a memory budget (the probe, a longer checkpoint stride, kept inputs left out),
+the store, the caches and taps of a chunk's graph, the K/V gradient accumulators."""
 
 from __future__ import annotations
 
-import logging
 from dataclasses import replace
 
 import mlx.core as mx
@@ -25,6 +13,7 @@ import numpy as np
 from mlx import nn
 
 from ..plan import MIB, Chunk, OutOfMemory, plan_window
+from ..walking import ExactAlgorithm
 from . import budget
 from . import probe as probes
 from .accum import ACCUMULATOR_DTYPES, Accumulators
@@ -32,10 +21,8 @@ from .config import WalkConfig, Window
 from .runner import ChunkRunner, State, walking
 from .taps import release
 
-log = logging.getLogger("mlxwalk")
 
-
-class ExactWalk(ChunkRunner):
+class ExactWalk(ChunkRunner, ExactAlgorithm):
     """One window's exact walk; the plan (and any refusal) comes before any array."""
 
     def __init__(self, model: nn.Module, window: Window, config: WalkConfig, layout=None):
@@ -47,6 +34,9 @@ class ExactWalk(ChunkRunner):
             self.config.recompute and self.head is not None and (self.config.keep_inputs != "off")
         )
         self.horizon_used = self.config.horizon  # narrowed per chunk if the memory budget asks
+        self.remedies = (
+            "raise --memory-budget-mib, or give --recompute or a smaller --cache-type or --chunk"
+        )
         self.estimate = self.admit()
         if self.config.strict_exact:
             self.refuse_narrowing()
@@ -126,55 +116,23 @@ class ExactWalk(ChunkRunner):
     def graph_bytes(self, taps: int, prefix: int) -> int:
         return budget.graph_bytes(self.acts, self.layout.footprint(), taps, prefix)
 
-    def grad_from(self, chunk: Chunk) -> int:
-        """The chunk's first tapped position: the plan's, or, when the walk would exceed the
-        memory budget with this chunk's graph, `narrowed_taps` before it. Only this chunk is
-        narrowed; the next window starts from the requested horizon."""
-        taps = chunk.start - chunk.grad_from
-        narrowed = self.narrowed_taps(chunk)
-        if narrowed < taps:
-            log.info(
-                "chunk %d: its graph with %d tapped positions exceeds the memory budget of "
-                "%.1f MiB; horizon narrowed to %d for this chunk",
-                chunk.index,
-                taps,
-                self.config.device_budget / MIB,
-                narrowed,
-            )
-            self.horizon_used = (
-                narrowed if self.horizon_used == 0 else min(self.horizon_used, narrowed)
-            )
-        return chunk.start - narrowed
+    # --- the mechanics the shared algorithm (mlxwalk/walking.py) runs on ---------------------
 
-    def narrowed_taps(self, chunk: Chunk) -> int:
-        """The tapped positions the chunk's graph fits the memory budget with: the plan's, else
-        half of them and again (a multiple of the chunk, never below one chunk)."""
-        taps, size = chunk.start - chunk.grad_from, self.plan.chunk
-        if self.estimate is None or chunk.start == 0:
-            return taps
+    @property
+    def recurrent(self) -> bool:
+        return self.layout.recurrent
+
+    @property
+    def budget_mib(self) -> float | None:
+        return None if self.estimate is None else self.config.device_budget / MIB
+
+    def fits(self, chunk: Chunk, taps: int) -> bool:
         rest = self.estimate.total - self.estimate.graph
-        budget_bytes = self.config.device_budget
-        return budget.narrowed(
-            taps, size, lambda t: rest + self.graph_bytes(t, chunk.start) <= budget_bytes
-        )
-
-    def refuse_narrowing(self) -> None:
-        """--strict-exact: a window whose gradient the budget would cut is refused up front."""
-        for chunk in self.plan.chunks:
-            taps = chunk.start - chunk.grad_from
-            if (narrowed := self.narrowed_taps(chunk)) < taps:
-                raise OutOfMemory(
-                    f"the memory budget of {self.config.device_budget / MIB:,.0f} MiB fits chunk "
-                    f"{chunk.index} only with its horizon narrowed from {taps} to {narrowed} "
-                    "positions, and --strict-exact refuses a gradient that is not exact: raise "
-                    "--memory-budget-mib, or give --recompute or a smaller --cache-type or "
-                    "--chunk"
-                )
+        return rest + self.graph_bytes(taps, chunk.start) <= self.config.device_budget
 
     def run(self, chunks: int | None = None) -> tuple[mx.array, dict]:
         """The window's loss and gradient. `chunks`: the reverse pass stops after that many
-        chunks (the memory probe: its first chunk, the one reading the longest prefix, holds the
-        walk's largest graph)."""
+        chunks (the memory probe)."""
         limit = None
         # On the CPU and Metal, MLX's scheduler waits for work to finish past its memory limit.
         # On CUDA the limit only makes its allocator return cached buffers through the stream's
@@ -183,64 +141,46 @@ class ExactWalk(ChunkRunner):
         if self.estimate is not None and not mx.cuda.is_available():
             limit = mx.set_memory_limit(self.config.device_budget)
         try:
-            with walking(self.model):
-                self.decode_forward()
-                return self.reverse(chunks)
+            return self.walk(chunks)
         finally:
             self.kept = {}  # a chunk the reverse pass did not need leaves its inputs here
             if limit is not None:
                 mx.set_memory_limit(limit)
 
+    def walking(self):
+        return walking(self.model)
+
+    def new_store(self, positions: int) -> None:
+        self._new_store(positions)
+
     def kept_inputs(self, chunk: Chunk) -> list[mx.array] | None:
         return self.kept.get(chunk.index)
 
-    def decode_forward(self) -> None:
-        self._new_store(self.plan.computed)
-        self.checkpoints = {}
-        state = self.zero_state()
-        chunks = self.plan.chunks
-        for chunk in chunks:
-            if self.plan.checkpointed(chunk.index):
-                self.checkpoints[chunk.index] = state
-            # The last chunk's K/V and exit state are read by no later chunk: not decoded.
-            if chunk is not chunks[-1] and self.keep:
-                with self.layers.keeping() as kept:
-                    state = self.decode(chunk, state)
-                mx.eval(kept)
-                self.kept[chunk.index] = kept
-            elif chunk is not chunks[-1]:
-                state = self.decode(chunk, state)
-            self._tick("decode", chunk.index + 1, len(chunks))
-
-    def entry_state(self, chunk: Chunk) -> State:
-        """The state entering `chunk`: its checkpoint, or decoded forward from the nearest one."""
-        if not self.layout.recurrent:
-            return None
-        first = chunk.index - chunk.index % self.plan.stride
-        state = self.checkpoints[first] if first > 0 else self.zero_state()
-        for c in self.plan.chunks[first : chunk.index]:
-            state = self.decode(c, state, write=False)
+    def decode_chunk(self, chunk: Chunk, state: State) -> State:
+        """With kept inputs, each layer's input of the chunk is kept for its reverse step."""
+        if not self.keep:
+            return self.decode(chunk, state)
+        with self.layers.keeping() as kept:
+            state = self.decode(chunk, state)
+        mx.eval(kept)
+        self.kept[chunk.index] = kept
         return state
 
-    def reverse(self, chunks: int | None = None) -> tuple[mx.array, dict]:
+    def start_reverse(self) -> None:
         lay = self.layout
         tapped = [i >= self.stem for i in lay.attention]
-        acc = Accumulators(
+        self.acc = Accumulators(
             list(lay.kv_shapes), self.plan.computed, self.config.accumulator_dtype, tapped
         )
-        loss = mx.array(0.0)
-        order = self.plan.reverse()[:chunks]
-        for done, chunk in enumerate(order, 1):
-            loss = loss + self.train_chunk(chunk, acc)
-            mx.eval(loss)
-            self._tick("train", done, len(order))
-        return loss, acc.grads
 
-    def train_chunk(self, chunk: Chunk, acc: Accumulators) -> mx.array:
-        gf = self.grad_from(chunk)
-        caches = self.caches(
-            chunk, self.entry_state(chunk), grad_from=gf, tap_state=chunk.index > 0, acc=acc
-        )
+    def finish_reverse(self, loss) -> tuple[mx.array, dict]:
+        loss = mx.array(0.0) if loss is None else loss
+        mx.eval(loss)
+        return loss, self.acc.grads
+
+    def train_chunk(self, chunk: Chunk, entry: State, gf: int) -> mx.array:
+        acc = self.acc
+        caches = self.caches(chunk, entry, grad_from=gf, tap_state=chunk.index > 0, acc=acc)
         kinds, sunk = self.layout.kinds, {}
         slot = {layer: a for a, layer in enumerate(self.layout.attention)}
 

@@ -1,0 +1,175 @@
+"""The exact walk's algorithm, once, for every framework: its phases over the plan, the horizon
+narrowed under a memory budget, the refusals. No array library: a framework subclasses
+`ExactAlgorithm` with its mechanics (walk/exact.py for MLX, torch_backend/walk.py for torch).
+
+  1. decode_forward: every chunk but the last (whose K/V and exit state no chunk reads), first
+     to last, with no gradient: its K/V into the store; the state entering every stride-th chunk
+     kept (recurrent layers).
+  2. reverse: every needed chunk, last to first, as a graph of its own: its share of the loss
+     plus the surrogates <own K/V, adjoint> + <exit state, adjoint>, the adjoints being what later
+     chunks sent back; its entry state is its checkpoint, or re-decoded from the nearest one.
+  3. the caller steps once on the summed gradient.
+
+The adapter must not change between the start of decode_forward and the end of reverse: the
+reverse pass recomputes each chunk's K/V and exit state and pairs them with adjoints taken
+against the stored ones.
+
+What a framework supplies (the mechanics): `new_store`, `zero_state`, `decode_chunk` (and
+`decode`, write or not), `start_reverse`, `train_chunk`, `finish_reverse`, `walking` (the model
+as the walk runs it), and under a memory budget `fits(chunk, taps)`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+
+from .errors import OutOfMemory
+from .plan import Chunk, Plan
+
+log = logging.getLogger("mlxwalk")
+
+
+def narrowed(taps: int, size: int, fits: Callable[[int], bool]) -> int:
+    """The tapped positions a chunk's graph fits with (`fits(taps)`): all of them, else half and
+    again, a multiple of the chunk `size`, never below one chunk."""
+    while taps > size and not fits(taps):
+        taps = max(size, taps // 2 // size * size)
+    return taps
+
+
+class ExactAlgorithm:
+    """One window's exact walk over `self.plan`, the framework's mechanics in the hooks below.
+    A subclass sets `plan`, `horizon_used` (its configured horizon), `recurrent`, `budget_mib`
+    (None without a memory budget) and `remedies` (what a --strict-exact refusal suggests)."""
+
+    plan: Plan
+    horizon_used: int = 0  # narrowed per chunk if the memory budget asks (0: the whole window)
+    recurrent: bool = False
+    budget_mib: float | None = None
+    remedies: str = "raise --memory-budget-mib, or give a smaller --chunk"
+    on_chunk: Callable[[str, int, int], None] | None = None  # (phase, done, of)
+    checkpoints: dict
+
+    # --- the phases ------------------------------------------------------------------------
+
+    def walk(self, chunks: int | None = None):
+        """The window's loss and gradient (as `finish_reverse` gives them). `chunks`: the reverse
+        pass stops after that many (the memory probe: the first, reading the longest prefix,
+        holds the walk's largest graph)."""
+        with self.walking():
+            self.decode_forward()
+            return self.reverse(chunks)
+
+    def decode_forward(self) -> None:
+        self.new_store(self.plan.computed)
+        self.checkpoints = {}
+        state = self.zero_state()
+        chunks = self.plan.chunks
+        for chunk in chunks:
+            if self.plan.checkpointed(chunk.index):
+                self.checkpoints[chunk.index] = state
+            if chunk is not chunks[-1]:  # no later chunk reads the last one's K/V or state
+                state = self.decode_chunk(chunk, state)
+            self.tick("decode", chunk.index + 1, len(chunks))
+
+    def entry_state(self, chunk: Chunk):
+        """The state entering `chunk`: its checkpoint, or decoded forward from the nearest one
+        (without writing the store)."""
+        if not self.recurrent:
+            return self.zero_state()
+        first = chunk.index - chunk.index % self.plan.stride
+        state = self.checkpoints[first] if first > 0 else self.zero_state()
+        for c in self.plan.chunks[first : chunk.index]:
+            state = self.decode(c, state, write=False)
+        return state
+
+    def reverse(self, chunks: int | None = None):
+        self.start_reverse()
+        loss = None
+        order = self.plan.reverse()[:chunks]
+        for done, chunk in enumerate(order, 1):
+            share = self.train_chunk(chunk, self.entry_state(chunk), self.grad_from(chunk))
+            loss = share if loss is None else loss + share
+            self.tick("train", done, len(order))
+        return self.finish_reverse(loss)
+
+    def tick(self, phase: str, done: int, of: int) -> None:
+        if self.on_chunk is not None:
+            self.on_chunk(phase, done, of)
+
+    # --- the horizon under a memory budget ---------------------------------------------------
+
+    def grad_from(self, chunk: Chunk) -> int:
+        """The chunk's first tapped position: the plan's, or, when the walk would exceed the
+        memory budget with this chunk's graph, `narrowed_taps` before it. Only this chunk is
+        narrowed; the next window starts from the requested horizon."""
+        taps = chunk.start - chunk.grad_from
+        fewer = self.narrowed_taps(chunk)
+        if fewer < taps:
+            log.info(
+                "chunk %d: its graph with %d tapped positions exceeds the memory budget of "
+                "%.1f MiB; horizon narrowed to %d for this chunk",
+                chunk.index,
+                taps,
+                self.budget_mib,
+                fewer,
+            )
+            self.horizon_used = fewer if self.horizon_used == 0 else min(self.horizon_used, fewer)
+        return chunk.start - fewer
+
+    def narrowed_taps(self, chunk: Chunk) -> int:
+        """The tapped positions the chunk's graph fits the memory budget with: the plan's, else
+        half of them and again (a multiple of the chunk, never below one chunk)."""
+        taps = chunk.start - chunk.grad_from
+        if self.budget_mib is None or chunk.start == 0:
+            return taps
+        return narrowed(taps, self.plan.chunk, lambda t: self.fits(chunk, t))
+
+    def refuse_narrowing(self) -> None:
+        """--strict-exact: a window whose gradient the budget would cut is refused up front
+        (which chunks would narrow is known from the estimate before the walk starts)."""
+        for chunk in self.plan.chunks:
+            taps = chunk.start - chunk.grad_from
+            if (fewer := self.narrowed_taps(chunk)) < taps:
+                raise OutOfMemory(
+                    f"the memory budget of {self.budget_mib:,.0f} MiB fits chunk {chunk.index} "
+                    f"only with its horizon narrowed from {taps} to {fewer} positions, and "
+                    f"--strict-exact refuses a gradient that is not exact: {self.remedies}"
+                )
+
+    # --- the framework's mechanics -------------------------------------------------------------
+
+    def walking(self) -> AbstractContextManager:
+        """The model as the walk runs it, for the walk's duration."""
+        return nullcontext()
+
+    def new_store(self, positions: int) -> None:
+        raise NotImplementedError
+
+    def zero_state(self):
+        raise NotImplementedError
+
+    def decode(self, chunk: Chunk, state, write: bool = True):
+        """One chunk with no gradient: its K/V into the store (if `write`); its exit state."""
+        raise NotImplementedError
+
+    def decode_chunk(self, chunk: Chunk, state):
+        """The decode pass's step (a framework may keep more of it than `decode` does)."""
+        return self.decode(chunk, state)
+
+    def start_reverse(self) -> None:
+        raise NotImplementedError
+
+    def train_chunk(self, chunk: Chunk, entry, grad_from: int):
+        """The chunk's graph differentiated; its gradients to the adapter's sum, the K/V
+        accumulators and the state adjoint. Returns its share of the loss."""
+        raise NotImplementedError
+
+    def finish_reverse(self, loss):
+        raise NotImplementedError
+
+    def fits(self, chunk: Chunk, taps: int) -> bool:
+        """Whether the walk fits its memory budget with this chunk's graph tapping `taps`."""
+        raise NotImplementedError
