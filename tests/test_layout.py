@@ -8,7 +8,14 @@ from pathlib import Path
 from . import extras
 
 PACKAGE = Path(__file__).resolve().parent.parent / "mlxwalk"
-LAYERS = {"plan": 0, "ops": 1, "walk": 2, "training": 3, "plugin": 4, "torch_backend": 4}
+LAYERS = {"errors": 0, "plan": 0, "grading": 0, "walking": 0, "ops": 1, "walk": 2, "training": 3,
+          "plugin": 4, "torch_backend": 4, "commands": 5}  # fmt: skip
+# Modules beneath every framework: the algorithm and its data, shared by the MLX and torch walks.
+FRAMEWORK_FREE = ("mlxwalk.errors", "mlxwalk.plan", "mlxwalk.grading", "mlxwalk.walking")
+FRAMEWORKS = ("mlx", "mlx_lm", "torch", "transformers", "peft")
+# The shared algorithm's names (walking.ExactAlgorithm): a backend supplies mechanics only.
+SHARED = ("decode_forward", "entry_state", "reverse", "grad_from", "narrowed_taps",
+          "refuse_narrowing", "narrowed")  # fmt: skip
 
 
 def modules() -> dict[str, Path]:
@@ -72,6 +79,41 @@ def test_each_layer_imports_only_those_beneath_it():
         for target in targets:
             below = LAYERS.get(target.split(".")[1] if "." in target else "", None)
             assert below is None or below <= layer, f"{name} imports {target}, a layer above it"
+
+
+def test_the_shared_modules_import_no_framework():
+    """The algorithm and its data (the plan, the walk's phases, the grading, the refusals) are
+    plain Python and NumPy: no module of them imports an array framework, at any depth."""
+    for name in FRAMEWORK_FREE:
+        for node in ast.walk(ast.parse(modules()[name].read_text())):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+                for module in [getattr(node, "module", None) or "", *names]:
+                    assert module.split(".")[0] not in FRAMEWORKS, (name, module)
+
+
+def test_the_plan_imports_with_the_frameworks_blocked():
+    """`import mlxwalk.plan` (and the walk's algorithm) with mlx and torch unimportable: the
+    package's import does nothing else."""
+    import subprocess
+    import sys
+
+    code = ("import sys; [sys.modules.__setitem__(m, None) for m in ('mlx', 'mlx.core', 'torch', "
+            "'mlx_lm')]; import mlxwalk.plan, mlxwalk.walking, mlxwalk.grading, mlxwalk.errors; "
+            "print('ok')")  # fmt: skip
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert p.stdout.strip() == "ok", p.stderr[-2000:]
+
+
+def test_the_backends_define_no_twin_of_the_shared_algorithm():
+    """The exact walk's phases live in mlxwalk/walking.py only: neither framework's walk defines
+    a function or method of theirs (a check by name)."""
+    for name, path in modules().items():
+        if name in FRAMEWORK_FREE:  # the shared algorithm and the plan it runs on
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef):
+                assert node.name not in SHARED, f"{name} defines {node.name}, walking.py's"
 
 
 def test_the_plan_imports_no_array_library():
