@@ -34,7 +34,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from . import delta_recurrence, delta_scan, routing
+from . import delta_chunked, delta_recurrence, delta_scan, routing
 from .delta_recurrence import Factors
 
 CHUNK: int | None = None  # positions per chunk; None: chunk_size() picks by backend
@@ -235,6 +235,13 @@ def gated_delta_update(
         state = mx.zeros((q.shape[0], v.shape[-2], v.shape[-1], q.shape[-1]), mx.float32)
     if CPU_COMPILE and routing.backend() is None:
         return _compiled(q, k, v, log_g, beta, state)
+    if delta_chunked.use(q, k, v, gated_delta):
+        if routing.mode() != "check":
+            return delta_chunked.op()(q, k, v, log_g, beta, state)
+        got = delta_chunked.op()(q, k, v, log_g, beta, state)
+        want = gated_delta(q, k, v, log_g, beta, state)
+        routing.compare(got, want, delta_chunked.case_of(q, v), "delta/chunked")
+        return want
     if routing.backend() == "metal" and use_mlx_fast(q, v):
         if routing.mode() != "check":
             return mlx_fast(q, k, v, log_g, beta, state)

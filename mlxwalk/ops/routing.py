@@ -90,7 +90,26 @@ class MlxDeltaCase:
         )
 
 
-Case = AttentionCase | ScanCase | MlxDeltaCase
+@dataclass(frozen=True)
+class ChunkedDeltaCase:
+    """What the chunked gated delta rule's kernels (metal_kernels/delta/chunked.py) are checked
+    and raced on: one layer's dtype, heads and dim."""
+
+    backend: str
+    dtype: mx.Dtype
+    key_heads: int
+    value_heads: int
+    dim: int  # the key and value dim (the kernels take them equal)
+    op: ClassVar[str] = "delta-chunked"
+
+    def __str__(self) -> str:
+        return (
+            f"{self.backend} {_name(self.dtype)} chunked delta rule {self.key_heads}/"
+            f"{self.value_heads} heads, dim {self.dim}"
+        )
+
+
+Case = AttentionCase | ScanCase | MlxDeltaCase | ChunkedDeltaCase
 
 
 def relative_error(a: mx.array, b: mx.array) -> float:
@@ -107,11 +126,13 @@ RACE: dict[str, tuple[int, int]] | None = {
     "attention": (1024, 4096),
     "delta": (32, 8),
     "mlx-delta": (2048, 1),  # MLX's gated_delta_update against the ops, one layer
+    "delta-chunked": (2048, 1),  # the chunked kernels against the ops, one layer
 }
 _RACE_SIZE = {
     "attention": "{} queries over {} keys",
     "delta": "{} chunks, {} value heads",
     "mlx-delta": "{} positions, batch {}",
+    "delta-chunked": "{} positions, batch {}",
 }
 # Injected so the CPU tests can run the Metal kernels through the harness.
 launch = build.launch

@@ -1,0 +1,83 @@
+"""The gated delta rule on its chunked kernels (metal_kernels/delta/chunked.py: FLA's
+decomposition on the matrix units, forward and backward), and where they run: self-checked per
+case (a layer's dtype, heads and dim) against the ops twin (`delta.gated_delta`) on a small case,
+every gradient included; on Metal raced against the ops at first use; on CUDA only where
+measured faster (`CUDA_CHUNKED`, none yet: the H200 table is to come) or with
+MLXWALK_KERNELS=on."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from metal_kernels.delta import chunked
+
+from . import routing
+
+# On CUDA `auto` takes the kernels only where the H200's table says they win; not measured yet.
+CUDA_CHUNKED = False
+
+
+def case_of(q: mx.array, v: mx.array) -> routing.ChunkedDeltaCase | None:
+    b = routing.backend()
+    if b is None or routing.mode() == "off":
+        return None
+    return routing.ChunkedDeltaCase(b, q.dtype, q.shape[-2], v.shape[-2], q.shape[-1])
+
+
+def use(q: mx.array, k: mx.array, v: mx.array, twin) -> bool:
+    """Whether this layer's gated delta rule runs on the chunked kernels, checked (and on Metal
+    raced) against `twin`, the ops' `gated_delta`."""
+    case = case_of(q, v)
+    if case is None or not chunked.supports(q, k, v, case.backend):
+        return False
+    if case.backend == "cuda" and not CUDA_CHUNKED and not routing.forced():
+        return False
+    return routing.decide(
+        case, lambda c: kernel_vs_twin(c, twin), lambda c, size: race(c, size, twin)
+    )
+
+
+def op():
+    """The kernels' `gated_delta(q, k, v, log_g, beta, state)`, launched through routing's
+    launcher (the CPU harness in the tests)."""
+    return chunked.op(run=routing.launch, backend=routing.backend())
+
+
+def _layer(case: routing.ChunkedDeltaCase, t: int) -> tuple[list, list]:
+    """A layer's inputs and cotangents for a case: t positions, a non-zero initial state."""
+    rng = np.random.default_rng(0)
+    hk, hv, d = case.key_heads, case.value_heads, case.dim
+
+    def normal(*shape, scale=1.0):
+        return mx.array((scale * rng.standard_normal(shape)).astype(np.float32))
+
+    x = [
+        normal(1, t, hk, d, scale=0.3).astype(case.dtype),
+        normal(1, t, hk, d, scale=0.3).astype(case.dtype),
+        normal(1, t, hv, d).astype(case.dtype),
+        -mx.array(rng.uniform(0.01, 0.3, (1, t, hv)).astype(np.float32)),
+        mx.array(rng.uniform(0.1, 0.9, (1, t, hv)).astype(np.float32)),
+        normal(1, hv, d, d, scale=0.5),
+    ]
+    cots = [normal(1, t, hv, d).astype(case.dtype), normal(1, hv, d, d)]
+    return x, cots
+
+
+def kernel_vs_twin(case: routing.ChunkedDeltaCase, twin) -> dict[str, float]:
+    """The self-check: values, the final state and every gradient, kernels against the ops'
+    `twin`, on two chunks and a part (T = 150)."""
+    x, cots = _layer(case, 150)
+    got = mx.vjp(op(), x, cots)
+    want = mx.vjp(twin, x, cots)
+    pairs = zip([*got[0], *got[1]], [*want[0], *want[1]])
+    return {"delta/chunked": max(routing.relative_error(a, b) for a, b in pairs)}
+
+
+def race(case: routing.ChunkedDeltaCase, size: tuple[int, int], twin) -> tuple[float, float]:
+    """Seconds for a layer's forward and backward over size[0] positions: kernels, then ops."""
+    x, cots = _layer(case, size[0])
+    kernels_s, ops_s = (
+        routing.seconds(lambda f=f: mx.eval(mx.vjp(f, x, cots))) for f in (op(), twin)
+    )
+    return kernels_s, ops_s
