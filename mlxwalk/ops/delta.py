@@ -32,7 +32,6 @@ from contextlib import contextmanager
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 
 from . import delta_chunked, delta_recurrence, delta_scan, routing
 from .delta_recurrence import Factors
@@ -276,22 +275,9 @@ def use_mlx_fast(q, v) -> bool:
 
 
 def _layer(case: routing.MlxDeltaCase, t: int):
-    hk, hv, dk, dv = case.key_heads, case.value_heads, case.key_dim, case.value_dim
-    rng = np.random.default_rng(0)
-
-    def normal(*shape, scale=1.0):
-        return mx.array((scale * rng.standard_normal(shape)).astype(np.float32))
-
-    x = [
-        normal(1, t, hk, dk, scale=0.3).astype(case.dtype),
-        normal(1, t, hk, dk, scale=0.3).astype(case.dtype),
-        normal(1, t, hv, dv).astype(case.dtype),
-        -mx.array(rng.uniform(0.01, 0.3, (1, t, hv)).astype(np.float32)),
-        mx.array(rng.uniform(0.1, 0.9, (1, t, hv)).astype(np.float32)),
-        normal(1, hv, dv, dk, scale=0.5),
-    ]
-    cots = [normal(1, t, hv, dv).astype(case.dtype), normal(1, hv, dv, dk)]
-    return x, cots
+    return delta_chunked.layer(
+        case.dtype, case.key_heads, case.value_heads, case.key_dim, case.value_dim, t
+    )
 
 
 def mlx_fast_vs_ops(case: routing.MlxDeltaCase) -> dict[str, float]:

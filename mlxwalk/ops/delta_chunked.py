@@ -44,24 +44,28 @@ def op():
     return chunked.op(run=routing.launch, backend=routing.backend())
 
 
-def _layer(case: routing.ChunkedDeltaCase, t: int) -> tuple[list, list]:
-    """A layer's inputs and cotangents for a case: t positions, a non-zero initial state."""
+def layer(dtype: mx.Dtype, hk: int, hv: int, dk: int, dv: int, t: int) -> tuple[list, list]:
+    """A gated delta-net layer's inputs and cotangents for a self-check or a race: t positions,
+    hk key and hv value heads, a non-zero initial state, seeded."""
     rng = np.random.default_rng(0)
-    hk, hv, d = case.key_heads, case.value_heads, case.dim
 
     def normal(*shape, scale=1.0):
         return mx.array((scale * rng.standard_normal(shape)).astype(np.float32))
 
     x = [
-        normal(1, t, hk, d, scale=0.3).astype(case.dtype),
-        normal(1, t, hk, d, scale=0.3).astype(case.dtype),
-        normal(1, t, hv, d).astype(case.dtype),
+        normal(1, t, hk, dk, scale=0.3).astype(dtype),
+        normal(1, t, hk, dk, scale=0.3).astype(dtype),
+        normal(1, t, hv, dv).astype(dtype),
         -mx.array(rng.uniform(0.01, 0.3, (1, t, hv)).astype(np.float32)),
         mx.array(rng.uniform(0.1, 0.9, (1, t, hv)).astype(np.float32)),
-        normal(1, hv, d, d, scale=0.5),
+        normal(1, hv, dv, dk, scale=0.5),
     ]
-    cots = [normal(1, t, hv, d).astype(case.dtype), normal(1, hv, d, d)]
+    cots = [normal(1, t, hv, dv).astype(dtype), normal(1, hv, dv, dk)]
     return x, cots
+
+
+def _layer(case: routing.ChunkedDeltaCase, t: int) -> tuple[list, list]:
+    return layer(case.dtype, case.key_heads, case.value_heads, case.dim, case.dim, t)
 
 
 def kernel_vs_twin(case: routing.ChunkedDeltaCase, twin) -> dict[str, float]:
