@@ -10,7 +10,7 @@ import mlx.core as mx
 
 from mlxwalk import cli
 from mlxwalk.plan import PlanError
-from mlxwalk.training import run
+from mlxwalk.training import mlx_framework
 
 failing = os.environ.get("MLXWALK_TEST_FAIL_RANK")
 rank = int(os.environ["RANK"]) if "RANK" in os.environ else mx.distributed.init().rank()
@@ -28,7 +28,7 @@ if failing is not None and "--backend" in sys.argv and rank == int(failing):  # 
 
     torch_train.ExactWalk = Failing
 elif failing is not None and rank == int(failing):
-    walked = run.exact_gradient
+    walked = mlx_framework.exact_gradient
     calls = []
 
     def exact_gradient(*args, **kw):
@@ -37,7 +37,7 @@ elif failing is not None and rank == int(failing):
             raise PlanError("window 3 does not fit this rank's memory (a test's refusal)")
         return walked(*args, **kw)
 
-    run.exact_gradient = exact_gradient
+    mlx_framework.exact_gradient = exact_gradient
 
 if sys.argv[1:2] == ["lora"]:  # the mlx-lm drop-in, as `python -m mlxwalk.lora`
     from mlxwalk.plugin import lora

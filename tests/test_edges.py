@@ -226,7 +226,7 @@ def full_disk_after(monkeypatch, writes: int, disk: Path) -> None:
         return real(path, arrays, metadata)
 
     monkeypatch.setattr(files, "save_safetensors", save)
-    for module in ("adapters", "runfolder"):
+    for module in ("adapters", "mlx_framework"):
         monkeypatch.setattr(f"mlxwalk.training.{module}.save_safetensors", save)
 
 

@@ -18,7 +18,7 @@ import pytest
 from mlxwalk import cli, tiny
 from mlxwalk.plan import MIB, OutOfMemory, PlanError
 from mlxwalk.plugin import lora
-from mlxwalk.training import run
+from mlxwalk.training import mlx_framework, run
 from mlxwalk.training.files import FolderLock
 from mlxwalk.training.run import TrainConfig, train_run
 from mlxwalk.training.watch import BUDGET_MARGIN
@@ -193,7 +193,7 @@ def test_a_resume_takes_the_learning_rate_it_is_given_and_says_so(qwen2_path, ch
     train_run(quick(qwen2_path, chats, out, iters=1), echo=quiet)
     lines = []
     r = run.Run(quick(qwen2_path, chats, out, iters=2, lr=5e-5, resume=True), echo=lines.append)
-    assert float(r.optimizer.learning_rate) == pytest.approx(5e-5)
+    assert float(r.fw.optimizer.learning_rate) == pytest.approx(5e-5)
     assert any("learning rate 5e-05 from here on (the run's was 0.001)" in line for line in lines)
 
 
@@ -273,8 +273,8 @@ def poison_window(monkeypatch, at: set[int]):
 
         return walk
 
-    monkeypatch.setattr(run, "train_window", poisoned(run.train_window))
-    monkeypatch.setattr(run, "exact_gradient", poisoned(run.exact_gradient))
+    monkeypatch.setattr(mlx_framework, "train_window", poisoned(mlx_framework.train_window))
+    monkeypatch.setattr(mlx_framework, "exact_gradient", poisoned(mlx_framework.exact_gradient))
 
 
 @pytest.mark.parametrize("walk", ["exact", "plain"])
@@ -316,7 +316,7 @@ def test_a_learning_rate_that_wrecks_the_model_is_said_so(qwen2_path, chats, tmp
     lines = []
     r = run.Run(quick(qwen2_path, chats, tmp_path / "r", lr=1e6), echo=lines.append)
     assert any("--lr 1e+06 is far above" in line for line in lines)
-    uniform = math.log(r.layout.vocab)
+    uniform = math.log(r.fw.layout.vocab)
     where = r.train_set.examples[0].where
     r.watch.collapse(1, where, 0.5 * uniform)
     r.watch.collapse(2, where, 0.7 * uniform)
@@ -408,7 +408,9 @@ def test_a_window_leaves_nothing_alive_behind_it(hybrid, recompute):
     gc.collect()
     before = mx.get_active_memory()
     for _ in range(2):
-        run.train_window(hybrid, optimizer, window, WalkConfig(chunk=256, recompute=recompute))
+        mlx_framework.train_window(
+            hybrid, optimizer, window, WalkConfig(chunk=256, recompute=recompute)
+        )
     gc.collect()
     assert mx.get_active_memory() - before < 0.05 * MIB
 
@@ -737,9 +739,9 @@ def test_schedule_warmup_clipping_and_evals_between(qwen2_path, chats, tmp_path)
         echo=lines.append,
     )
     assert r.steps() == 8  # 4 windows, 2 epochs: the schedule decays over every step
-    rates = [float(r.optimizer.learning_rate)]
+    rates = [float(r.fw.optimizer.learning_rate)]
     report = r.train()
-    rates.append(float(r.optimizer.learning_rate))
+    rates.append(float(r.fw.optimizer.learning_rate))
     assert rates[0] == 0.0 and 0 < rates[1] < 1e-3  # warmed up from 0, decayed from the peak
     assert [w for w, _ in report["evals_between"]] == [3, 6]  # not at 4 and 8: epoch ends
     assert any(line.startswith("window 3: eval_loss") for line in lines)

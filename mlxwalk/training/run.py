@@ -22,29 +22,15 @@ import time
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
-import mlx.core as mx
-import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_map
 
 from ..errors import ConfigError, FolderError, RanksError
 from ..plan import MIB
-from ..walk import (
-    Window,
-    apply_step,
-    arch,
-    budget,
-    exact_gradient,
-    machine,
-    train_window,
-    window_loss,
-)
 from ..walk.guards import NonFinite
-from ..walk.store import check_cache_type
-from . import adapters, data, models, report, samples, windows
+from . import data, report, samples, windows
 from .config import TrainConfig
-from .files import TMP_MARK, FolderLock, NewFolder, save_safetensors, sweep
-from .ranks import Ranks, StepSum, reduce_step, weighs
+from .files import TMP_MARK, FolderLock, NewFolder, sweep
+from .framework import Framework
 from .runfolder import Position, RunFolder, identity
 from .watch import Watch
 
@@ -82,12 +68,13 @@ class WriteFailed(FolderError):
     """A write the run could not make (a full disk), said with what of the run is kept."""
 
 
-def try_write(folder: Path) -> None:
-    """Write and remove a small safetensors file in the run's folder through the very calls that
-    will write its checkpoints, so a folder they can't write is refused before any training."""
+def try_write(folder: Path, fw: Framework) -> None:
+    """Write and remove a small file in the run's folder through the very calls that will write
+    its checkpoints (the framework's), so a folder they can't write is refused before any
+    training."""
     probe = folder / f".write-check{TMP_MARK}{os.getpid()}.safetensors"
     try:
-        save_safetensors(probe, {"check": mx.zeros((1,))})
+        fw.write_check(probe)
     except (OSError, RuntimeError) as e:
         raise FolderError(f"adapter path {folder} can't be written ({e})") from None
     finally:
@@ -110,43 +97,23 @@ def refuse_overlap(out: Path, model: Path, data_folder: Path) -> None:
             )
 
 
-def make_optimizer(cfg: TrainConfig, steps: int):
-    """The optimizer, its weight decay, and the learning rate: constant, or mlx-lm's schedule
-    (build_schedule) decaying to 0 over `steps`, after `warmup` steps rising from 0."""
-    from mlx_lm.tuner.utils import build_schedule
-
-    lr = cfg.lr
-    decay = max(steps - cfg.warmup - 1, 1)  # mlx-lm's schedule starts decaying after the warmup
-    if cfg.lr_schedule == "cosine_decay":
-        lr = build_schedule(
-            {"name": "cosine_decay", "arguments": [cfg.lr, decay], "warmup": cfg.warmup}
-        )
-    elif cfg.lr_schedule == "linear_schedule":
-        lr = build_schedule(
-            {"name": "linear_schedule", "arguments": [cfg.lr, 0.0, decay], "warmup": cfg.warmup}
-        )
-    elif cfg.warmup:
-        lr = optim.linear_schedule(0.0, cfg.lr, cfg.warmup)
-    wd = {} if cfg.weight_decay is None else {"weight_decay": cfg.weight_decay}
-    if cfg.optimizer == "sgd":
-        return optim.SGD(learning_rate=lr, **wd)
-    if cfg.optimizer == "adamw":
-        return optim.AdamW(learning_rate=lr, **wd)
-    return optim.Adam(learning_rate=lr)
-
-
 def say(*args) -> None:
     print(*args, flush=True)
 
 
 class Run:
-    """One training run: setup (every refusal happens here), then epochs of windows."""
+    """One training run on one framework (`fw`, its mechanics): setup (every refusal happens
+    here), then epochs of windows."""
 
-    def __init__(self, cfg: TrainConfig, echo=say, ranks: Ranks | None = None):
+    def __init__(self, cfg: TrainConfig, fw: Framework | None = None, echo=say):
+        if fw is None:  # MLX's, in one process
+            from .mlx_framework import MLXFramework
+
+            fw = MLXFramework()
         self.cfg = cfg.check()
-        self.ranks = ranks or Ranks(None)
+        self.fw, self.ranks = fw, fw.ranks
         self.echo = echo if self.ranks.leader else quiet  # one voice: the rank that writes
-        echo = self.echo
+        fw.refuse(cfg)
         if cfg.walk == "plain" and self.ranks.size > 1:
             raise RanksError(
                 "--walk plain steps once per chunk; across ranks only the exact "
@@ -154,7 +121,7 @@ class Run:
             )
         self.out = writable(Path(cfg.adapter_path or default_path(cfg.model)))
         data_folder = data.check_folder(cfg.data) if cfg.data else samples.folder()
-        refuse_overlap(self.out, models.resolve(cfg.model), data_folder)
+        refuse_overlap(self.out, fw.model_folder(cfg.model), data_folder)
         self.folder = RunFolder(self.out)
         self.made, self.lock = NewFolder(self.out), FolderLock(self.out)
         if self.ranks.leader:  # the folder is this run's from here until it ends
@@ -167,32 +134,24 @@ class Run:
             raise
 
     def _setup(self, cfg: TrainConfig, data_folder: Path) -> None:
-        echo = self.echo
+        echo, fw = self.echo, self.fw
         if self.ranks.leader:
             self.folder.claim(cfg.overwrite, cfg.resume)
-            try_write(self.out)
-        self.model, self.tokenizer = models.load(cfg.model)
-        fingerprint = models.fingerprint(self.model)
-        self.layout = arch.inspect(self.model)
-        check_cache_type(cfg.cache_type, self.layout.head_dims)
-        self.limit = models.max_positions(self.model)
-        if cfg.window is not None and self.limit is not None and cfg.window > self.limit:
+            try_write(self.out, fw)
+        self.loaded = loaded = fw.load(cfg)
+        if cfg.window is not None and loaded.limit is not None and cfg.window > loaded.limit:
             raise ConfigError(
-                f"--window {cfg.window} exceeds the model's maximum positions ({self.limit})"
+                f"--window {cfg.window} exceeds the model's maximum positions ({loaded.limit})"
             )
-        loaded = windows.load(cfg, data_folder, self.tokenizer, self.layout.vocab, self.limit, echo)
-        self.train_set, self.valid_set = loaded.train, loaded.valid
-        self.window, self.window_asked = loaded.window, loaded.window_asked
-        mx.random.seed(cfg.seed)
-        adapters.apply(self.model, cfg.lora())
-        self.optimizer = make_optimizer(cfg, self.steps())
-        self.optimizer.init(self.model.trainable_parameters())
+        sets = windows.load(cfg, data_folder, loaded.tokenizer, loaded.vocab, loaded.limit, echo)
+        self.train_set, self.valid_set = sets.train, sets.valid
+        self.window, self.window_asked = sets.window, sets.window_asked
+        fw.adapt(cfg, self.steps())
         self.position = Position()
         self.peak = 0
-        self.cfg = cfg = self._default_budget(cfg)
-        self.watch = Watch(cfg, self.layout.vocab, echo)
+        self.cfg = cfg = fw.budget(cfg, echo)
+        self.watch = Watch(cfg, loaded.vocab, echo)
         self.streak = 0  # non-finite windows in a row (--on-nan skip)
-        self.nan: NonFinite | None = None  # what this rank's non-finite window said
         self.reduce_seconds = 0.0  # in the steps' reductions (and waiting for other ranks)
         self.undo = None  # (position, adapter and optimizer state) at the window's start
         self.partial: Epoch | None = None  # the epoch row of a run stopped by --iters
@@ -203,12 +162,12 @@ class Run:
                 f"warning: --lr {cfg.lr:g} is far above what Adam trains LoRA with (1e-6 to "
                 "1e-3); expect the loss to diverge"
             )
-        self.largest = self._admit()
-        self.memory = self.largest.estimate if self.largest else None
+        self.admission = self._admit()
         files = [data_folder / "train.jsonl", data_folder / "valid.jsonl"]
-        model_path = str(models.resolve(cfg.model).resolve())
-        self.identity = identity(cfg, model_path, fingerprint, files, self.window)
-        self.identity.update(ranks=self.ranks.size, windows_per_step=cfg.windows_per_step)
+        self.identity = identity(cfg, str(loaded.path), loaded.fingerprint, files, self.window)
+        self.identity.update(
+            backend=fw.name, ranks=self.ranks.size, windows_per_step=cfg.windows_per_step
+        )
         self.resumed_from = self._resume() if cfg.resume else None
 
     def release(self, keep: bool) -> None:
@@ -218,31 +177,19 @@ class Run:
         if not keep:
             self.made.discard()
 
-    def _default_budget(self, cfg: TrainConfig) -> TrainConfig:
-        """On a GPU with no --memory-budget-mib, the exact walk keeps to what MLX reports the
-        GPU may use (machine.py), and the run says so."""
-        budget_mib, memory = machine.default_budget_mib(cfg.memory_budget_mib)
-        if memory is None or cfg.walk != "exact":
-            return cfg
-        self.echo(f"memory budget: {memory.said()}, as no --memory-budget-mib is given")
-        return replace(cfg, memory_budget_mib=budget_mib)
-
     def _admit(self):
         """The exact walk's plan for the largest window, and under a memory budget its estimate
         (refused here if it cannot fit). A window computes up to its last labelled position, so
         that, not its length, sizes it. Without a budget nothing is probed."""
-        from ..walk import ExactWalk
-
         if self.cfg.walk != "exact":
             return None
         largest = max(self.train_set.examples, key=lambda e: np.flatnonzero(e.weights).max())
-        win = Window.of(largest.inputs, largest.targets, largest.weights)
-        return ExactWalk(self.model, win, self.cfg.walk_config(), self.layout)
+        return self.fw.admit(self.cfg, largest)
 
     def _resume(self) -> Path:
         """Adopt the folder's run (identity checked), load its newest checkpoint strictly."""
         self.folder.check_resume(self.identity)
-        last, self.position = self.folder.load(self.model, self.optimizer)
+        last, self.position = self.folder.load(self.fw.load_state)
         p = self.position
         if (p.epoch >= self.cfg.epochs or p.windows >= self.total) and self.reported(p.windows):
             done = (
@@ -254,11 +201,8 @@ class Run:
                 f"--resume: the run in {self.out} has already trained {done}; raise "
                 "--epochs or --iters to train on"
             )
-        if self.cfg.lr_schedule or self.cfg.warmup:  # the schedule goes on from the saved step
-            return last
-        was = float(self.optimizer.learning_rate)
-        self.optimizer.learning_rate = self.cfg.lr  # the checkpoint's state holds the old one
-        if not math.isclose(was, self.cfg.lr, rel_tol=1e-6):
+        was = self.fw.resume_lr(self.cfg)
+        if was is not None:
             self.echo(f"learning rate {self.cfg.lr:g} from here on (the run's was {was:g})")
         return last
 
@@ -329,7 +273,7 @@ class Run:
         try:
             self.loop()
             if self.ranks.leader:
-                adapters.save(self.model, self.out, self.cfg.lora())
+                self.fw.save_adapter(self.out, self.cfg)
             return self.finish()
         except BaseException as e:
             if self.ranks.leader:
@@ -362,7 +306,7 @@ class Run:
         cfg, total = self.cfg, self.total
         shown = cfg.progress and self.ranks.leader
         self.bar = report.progress(total, self.position.windows, enabled=shown)
-        self.model.train()
+        self.fw.train_mode(True)
         try:
             while self.position.epoch < cfg.epochs:
                 order = self.order(self.position.epoch)
@@ -390,67 +334,25 @@ class Run:
         """One optimizer step on the windows `examples` (the step's slice of the epoch's order;
         this rank walks its share). The position moves (one assignment) only once the step is
         taken; an interruption before that puts the adapter back as it was (`undo`)."""
-        if self.cfg.walk == "plain":
-            return self.step_plain(examples[0])
-        p, cfg = self.position, self.cfg
-        self.undo = (p, self.snapshot())
+        p, cfg, fw = self.position, self.cfg, self.fw
+        self.undo = (p, fw.snapshot())
         tic = time.perf_counter()
-        mx.reset_peak_memory()
-        part, error = self.walk_share(examples)
-        walked = time.perf_counter()
-        step = reduce_step(self.ranks, part, error)
-        self.reduce_seconds += time.perf_counter() - walked  # the wait for the slowest rank too
-        if not step.finite:
-            self.restore(self.undo[1])
-            self.non_finite(examples, error or NonFinite("a NaN or infinite loss or gradient"))
+        fw.reset_peak()
+        if cfg.walk == "plain":
+            stepped = fw.step_plain(examples[0], cfg, cfg.seed + p.windows, self.bar.chunk)
+        else:
+            stepped = fw.step(examples, cfg, cfg.seed + p.windows, self.bar.chunk)
+        self.reduce_seconds += stepped.reduce_seconds  # the wait for the slowest rank too
+        if not stepped.finite:
+            fw.restore(self.undo[1])
+            self.non_finite(examples, stepped.error or NonFinite("a NaN or infinite loss"))
             return
-        apply_step(self.model, self.optimizer, step.grads, cfg.grad_clip)
-        mx.eval(self.model.parameters(), self.optimizer.state)
-        self.stepped(examples, step.losses, step.horizons, time.perf_counter() - tic)
-
-    def walk_share(self, examples: list[data.Example]) -> tuple[StepSum, BaseException | None]:
-        """This rank's windows of the step: their gradients, each weighted by its labelled
-        weight when the step combines windows. A failure is kept for the step's reduction (one
-        process: raised at once); a non-finite window marks the step."""
-        slots, cfg, p = len(examples), self.cfg, self.position
-        combine = weighs(slots, self.ranks.size)
-        part = StepSum(
-            tree_map(mx.zeros_like, self.model.trainable_parameters()),
-            *(np.zeros(slots, np.float32) for _ in range(3)),
-        )
-        error = None
-        for i in self.ranks.mine(list(range(slots)), cfg.windows_per_step):
-            ex = examples[i]
-            window = Window.of(ex.inputs, ex.targets, ex.weights)
-            try:
-                walk, grads = exact_gradient(
-                    self.model,
-                    window,
-                    cfg.walk_config(seed=cfg.seed + p.windows + i),
-                    self.bar.chunk,
-                    self.layout,
-                )
-            except NonFinite as e:
-                part.finite, error = False, None
-                self.nan = e
-                continue
-            except Exception as e:
-                if self.ranks.size == 1:
-                    raise
-                error = e
-                break
-            w = float(window.total) if combine else 1.0
-            part.grads = tree_map(lambda a, g, w=w: a + g * w, part.grads, grads)
-            used = getattr(walk, "horizon_used", cfg.horizon)
-            part.losses[i], part.weights[i] = walk.loss, window.total
-            part.horizons[i] = used if used != cfg.horizon else 0
-            mx.eval(part.grads)
-        return part, error
+        self.stepped(examples, stepped.losses, stepped.horizons, time.perf_counter() - tic)
 
     def stepped(self, examples, losses, horizons, seconds: float) -> None:
         """The position after a step on `examples`: every window's loss, and the narrowed ones."""
         p, cfg = self.position, self.cfg
-        peak = mx.get_peak_memory()
+        peak = self.fw.peak()
         self.streak = 0
         narrowed = [int(h) for h in horizons if h]
         trainable = sum(ex.trainable for ex in examples)
@@ -475,42 +377,6 @@ class Run:
             float(np.mean(losses)), tokens / seconds, peak / MIB, shown, windows=len(examples)
         )
 
-    def step_plain(self, example: data.Example) -> None:
-        """One window by the plain walk, a step per labelled chunk (one process)."""
-        p, cfg = self.position, self.cfg
-        window = Window.of(example.inputs, example.targets, example.weights)
-        self.undo = (p, self.snapshot())
-        tic = time.perf_counter()
-        mx.reset_peak_memory()
-        try:
-            walk = train_window(
-                self.model,
-                self.optimizer,
-                window,
-                cfg.walk_config(seed=cfg.seed + p.windows),
-                cfg.walk,
-                on_chunk=self.bar.chunk,
-                layout=self.layout,
-                clip=cfg.grad_clip,
-            )
-        except NonFinite as e:
-            self.restore(self.undo[1])
-            self.non_finite([example], e)
-            return
-        used = getattr(walk, "horizon_used", cfg.horizon)
-        horizon = np.array([used if used != cfg.horizon else 0])
-        self.stepped([example], np.array([walk.loss]), horizon, time.perf_counter() - tic)
-
-    def snapshot(self):
-        """The adapter and optimizer state as they are (arrays are immutable: references do)."""
-        params = tree_map(lambda a: a, self.model.trainable_parameters())
-        return params, tree_map(lambda a: a, self.optimizer.state)
-
-    def restore(self, snap) -> None:
-        params, state = snap
-        self.model.update(params)
-        self.optimizer.state = state
-
     def non_finite(self, examples: list[data.Example], error: BaseException) -> None:
         p, n = self.position, len(examples)
         first = examples[0].where or "an example"
@@ -520,8 +386,6 @@ class Run:
             else f"the step on windows {p.windows + 1}-{p.windows + n} (epoch {p.epoch + 1}, "
             f"from {first})"
         )
-        error = self.nan or error
-        self.nan = None
         self.streak += 1
         if self.cfg.on_nan == "skip" and self.streak < SKIP_LIMIT:
             self.echo(f"warning: {where}: {error}; skipped (--on-nan skip), adapter unchanged")
@@ -563,17 +427,15 @@ class Run:
         if not self.valid_set.examples:
             return None
         total, weight = 0.0, 0
-        self.model.eval()
+        self.fw.train_mode(False)
         try:  # each rank its share; the sums reduced together
             for ex in self.valid_set.examples[self.ranks.rank :: self.ranks.size]:
-                window = Window.of(ex.inputs, ex.targets, ex.weights)
-                loss = window_loss(self.model, window, self.cfg.walk_config(), self.layout)
-                total += loss * ex.trainable
+                total += self.fw.window_loss(ex, self.cfg) * ex.trainable
                 weight += ex.trainable
         finally:
-            self.model.train()
+            self.fw.train_mode(True)
         if self.ranks.size > 1:
-            total, weight = np.array(self.ranks.all_sum(mx.array([total, weight], mx.float32)))
+            total, weight = self.ranks.sum_numpy(np.array([total, weight], np.float64))
         return float(total / weight)
 
     def epoch_row(self, partial: bool = False) -> Epoch:
@@ -613,7 +475,7 @@ class Run:
     def checkpoint(self) -> Path | None:
         if not self.ranks.leader:
             return None
-        saved = self.folder.save(self.model, self.optimizer, self.cfg.lora(), self.position)
+        saved = self.folder.save(lambda tmp: self.fw.save_state(tmp, self.cfg), self.position)
         self.folder.drop_aside()  # --overwrite: the new run now stands on its own
         return saved
 
@@ -627,7 +489,7 @@ class Run:
     def _fail(self, error: BaseException) -> None:
         if isinstance(error, KeyboardInterrupt):
             if self.undo is not None and self.position is self.undo[0]:  # mid-window: undone
-                self.restore(self.undo[1])
+                self.fw.restore(self.undo[1])
             saved = self.folder.complete()
             done = self.position.windows
             if done and (not saved or not saved[-1].name.endswith(f"{done:07d}")):
@@ -652,7 +514,7 @@ class Run:
         None when that fails too."""
         try:
             folder = Path(tempfile.mkdtemp(prefix="mlxwalk-rescued-"))
-            adapters.save(self.model, folder, self.cfg.lora())
+            self.fw.save_adapter(folder, self.cfg)
             return folder
         except (OSError, RuntimeError, ValueError):
             return None
@@ -660,7 +522,7 @@ class Run:
     # --- the report ----------------------------------------------------------------------------
 
     def finish(self) -> dict:
-        cfg, est = self.cfg, self.memory
+        cfg, admitted = self.cfg, self.admission
         epochs = self.position.epochs + ([asdict(self.partial)] if self.partial else [])
         summary = {
             "model": cfg.model,
@@ -672,9 +534,9 @@ class Run:
             "horizon": cfg.horizon,
             "horizon_used": self.watch.horizon_used,
             "windows_narrowed": self.watch.narrowed,
-            "memory_estimate_mib": round(est.total / MIB, 2) if est else None,
-            "host_mib": round(self.largest.plan.host_bytes / MIB, 2) if self.largest else 0.0,
-            "graph_mib": round(est.graph / MIB, 2) if est else None,
+            "memory_estimate_mib": mib_or_none(admitted.total) if admitted else None,
+            "host_mib": round(admitted.plan.host_bytes / MIB, 2) if admitted else 0.0,
+            "graph_mib": mib_or_none(admitted.graph) if admitted else None,
             "peak_mib": round(self.peak / MIB, 2),
             "windows_over_budget": self.watch.over_budget,
             "diverged_at_window": self.watch.collapsed,
@@ -691,6 +553,8 @@ class Run:
             "config": {f.name: getattr(cfg, f.name) for f in fields(cfg)},
             "ranks": self.ranks.size,
             "reduce_seconds": round(self.reduce_seconds, 4),
+            "backend": self.fw.name,
+            **self.fw.report(),
         }
         if self.ranks.leader:
             report.write(self.out, summary)
@@ -727,27 +591,33 @@ def default_path(model: str) -> Path:
     return Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def train_run(cfg: TrainConfig, echo=say) -> dict:
-    ranks = Ranks.init()
-    run = ranks.together(lambda: Run(cfg, echo, ranks))  # a refusal anywhere stops every rank
-    echo = run.echo
-    est = run.memory
+def mib_or_none(n: int | None) -> float | None:
+    return None if n is None else round(n / MIB, 2)
+
+
+def train_run(cfg: TrainConfig, echo=say, framework=None) -> dict:
+    """A run on `framework` (a class taking the ranks; default MLX's), with its first lines and
+    its table."""
+    from .mlx_framework import MLXFramework
+
+    kind = framework or MLXFramework
+    ranks = kind.ranks_class().init()
+    run = ranks.together(lambda: Run(cfg, kind(ranks), echo))  # a refusal stops every rank
+    echo, admitted = run.echo, run.admission
     echo(
-        f"model {cfg.model} ({run.layout.model_type}), {len(run.train_set.examples)} training and "
+        f"model {cfg.model} ({run.loaded.described}), {len(run.train_set.examples)} training and "
         f"{len(run.valid_set.examples)} validation windows of up to {run.window} tokens, "
         f"chunk {cfg.chunk}, {cfg.walk} walk; adapter and report go to {run.out}"
     )
-    if est is not None:
+    if admitted is not None and admitted.total is not None:
         echo(
-            f"memory estimate: {est.total / MIB:.1f} MiB (graph {est.graph / MIB:.1f}, K/V store "
-            f"{est.store / MIB:.1f}, host {est.host / MIB:.1f})"
+            f"memory estimate: {admitted.total / MIB:.1f} MiB (graph {admitted.graph / MIB:.1f}, "
+            f"K/V store {admitted.store / MIB:.1f}, host {admitted.plan.host_bytes / MIB:.1f})"
         )
-    elif run.largest is not None:
-        plan = run.largest.plan
-        store = budget.store_bytes(run.layout, plan.computed, cfg.cache_type)
+    elif admitted is not None:
         echo(
-            f"memory: K/V store {store / MIB:.1f} MiB, accumulators and checkpoints "
-            f"{plan.host_bytes / MIB:.1f} MiB, beside the weights and one chunk's graph "
+            f"memory: K/V store {admitted.store / MIB:.1f} MiB, accumulators and checkpoints "
+            f"{admitted.plan.host_bytes / MIB:.1f} MiB, beside the weights and one chunk's graph "
             "(mlxwalk plan estimates it all)"
         )
     summary = run.train()

@@ -13,18 +13,22 @@ import hashlib
 import json
 import shutil
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-import mlx.core as mx
-from mlx.utils import tree_flatten, tree_unflatten
-
 from ..errors import FolderError
-from . import adapters
-from .files import load_safetensors, save_safetensors, sweep, write_text
+from .files import sweep, write_text
 
 MANIFEST = "run.json"
-RUN_FILES = (MANIFEST, "adapters.safetensors", "adapter_config.json", "report.json", "loss.png")
+RUN_FILES = (
+    MANIFEST,
+    "adapters.safetensors",
+    "adapter_model.safetensors",
+    "adapter_config.json",
+    "report.json",
+    "loss.png",
+)  # (mlx-lm's adapter, or PEFT's)
 CHECKPOINTS = "checkpoints"
 KEEP = 2  # checkpoints kept; older ones are pruned
 
@@ -102,6 +106,9 @@ def identity(cfg, model_path: str, fingerprint: str, data_files: list[Path], win
 def mismatch(saved: dict, now: dict, folder: Path) -> str | None:
     """The first difference that makes a run's checkpoints useless to this one, in words."""
     was = f"the run in {folder} was"
+    backend, now_backend = saved.get("backend", "mlx"), now.get("backend", "mlx")
+    if backend != now_backend:
+        return f"{was} trained with --backend {backend}; this one asks for {now_backend}"
     ranks, now_ranks = saved.get("ranks", 1), now.get("ranks", 1)
     if ranks != now_ranks:
         return (
@@ -221,8 +228,9 @@ class RunFolder:
                 out.append(p)
         return out
 
-    def save(self, model, optimizer, lora, position: Position) -> Path:
-        """A complete checkpoint in a fresh folder, renamed into place; older ones pruned."""
+    def save(self, write_state: Callable[[Path], None], position: Position) -> Path:
+        """A complete checkpoint in a fresh folder, renamed into place; older ones pruned.
+        `write_state(folder)` writes the framework's tensors (the adapter, the optimizer)."""
         self.checkpoints.mkdir(exist_ok=True)
         sweep(self.checkpoints)
         final = self.checkpoints / f"window-{position.windows:07d}"
@@ -230,8 +238,7 @@ class RunFolder:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         try:
-            adapters.save(model, tmp, lora)
-            save_safetensors(tmp / "optimizer.safetensors", dict(tree_flatten(optimizer.state)))
+            write_state(tmp)
             write_text(tmp / "state.json", json.dumps({"run": self.run_id, **asdict(position)}))
         except BaseException:  # a full disk: the half-made checkpoint goes, the others stay
             shutil.rmtree(tmp, ignore_errors=True)
@@ -248,17 +255,14 @@ class RunFolder:
             shutil.rmtree(old, ignore_errors=True)
         return final
 
-    def load(self, model, optimizer) -> tuple[Path, Position]:
-        """The newest checkpoint into `model` and `optimizer`, strictly; its position."""
+    def load(self, read_state: Callable[[Path], None]) -> tuple[Path, Position]:
+        """The newest checkpoint: its tensors through `read_state(folder)` (strict), its
+        position."""
         last = self.complete()[-1]
         try:
-            weights = load_safetensors(last / "adapters.safetensors")
-            moments = load_safetensors(last / "optimizer.safetensors")
             state = json.loads((last / "state.json").read_text())
-        except (RuntimeError, OSError, ValueError) as e:
+        except (OSError, ValueError) as e:
             raise FolderError(f"--resume: checkpoint {last} can't be read ({e})") from None
-        adapters.load_strict(model, weights, str(last))
-        optimizer.state = tree_unflatten(list(moments.items()))
-        mx.eval(model.parameters(), optimizer.state)
+        read_state(last)
         known = {f.name for f in fields(Position)}
         return last, Position(**{k: v for k, v in state.items() if k in known})
