@@ -101,10 +101,10 @@ def watch_phases(walk) -> dict:
         phases["after decode (active)"] = round(mx.get_active_memory() / GIB, 2)
         seconds["decode"] = round(time.perf_counter() - t, 1)
 
-    def timed_chunk(chunk, acc):
+    def timed_chunk(chunk, *args):
         mx.reset_peak_memory()
         t = time.perf_counter()
-        out = train_chunk(chunk, acc)
+        out = train_chunk(chunk, *args)
         phases[f"chunk {chunk.index}"] = round(mx.get_peak_memory() / GIB, 2)
         seconds[f"chunk {chunk.index}"] = round(time.perf_counter() - t, 2)
         return out

@@ -23,7 +23,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from mlxwalk import bench, use_openblas
-from mlxwalk.ops import delta
+from mlxwalk.ops import delta, delta_chunked
 from mlxwalk.walk import WalkConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -116,6 +116,14 @@ def main() -> int:
         action="store_true",
         help="bisect: the walks run under --memory-budget-mib = the cap, strict exact",
     )
+    p.add_argument(
+        "--delta-paths",
+        nargs="+",
+        default=["auto"],
+        choices=["auto", "chunked"],
+        help="hybrid: one walk table per path of the delta rule: auto (the routing's choice) and "
+        "chunked (the chunked kernels, forced on CUDA: delta_chunked.CUDA_CHUNKED)",
+    )
     p.add_argument("--small", action="store_true")
     a = p.parse_args()
     if a.what == "check":
@@ -157,15 +165,18 @@ def main() -> int:
             f"delta chunk {delta.chunk_size()}"
         )
         rows = steps(model, ["mlx-lm+ckpt"], a.mlx_lm_windows, config, 1, "hybrid-mlx-lm", {})
-        rows += steps(
-            model,
-            a.kinds or ["exact", "plain"],
-            a.windows or [4096, 16384, 65536],
-            config,
-            a.repeats,
-            "hybrid-walk",
-            {},
-        )
+        for path in a.delta_paths:
+            delta_chunked.CUDA_CHUNKED = path == "chunked"
+            header(f"the walks, delta rule path {path}")
+            rows += steps(
+                model,
+                a.kinds or ["exact", "plain"],
+                a.windows or [4096, 16384, 65536],
+                config,
+                a.repeats,
+                f"hybrid-walk-{path}",
+                {},
+            )
         save("hybrid", [r.as_dict() for r in rows])
     else:
         model, n = bench.shaped(a.model, a.small, a.bits or None)

@@ -51,9 +51,13 @@ def test_a_kernel_that_disagrees_falls_back_with_one_line(on_harness, monkeypatc
     assert len(lines) == 1 and "chunked delta rule 1/2 heads, dim 64; using the ops" in lines[0]
 
 
-@pytest.mark.parametrize("mode, used", [("auto", False), ("on", True), ("off", False)])
-def test_on_cuda_only_when_measured_or_forced(on_harness, monkeypatch, mode, used):
+@pytest.mark.parametrize(
+    "mode, measured, used",
+    [("auto", False, False), ("auto", True, True), ("on", False, True), ("off", True, False)],
+)
+def test_on_cuda_only_when_measured_or_forced(on_harness, monkeypatch, mode, measured, used):
     monkeypatch.setattr(routing, "backend", lambda: "cuda")
+    monkeypatch.setattr(delta_chunked, "CUDA_CHUNKED", measured)
     monkeypatch.setenv("MLXWALK_KERNELS", mode)
     q, k, v, *_ = layer()
     case = delta_chunked.case_of(q, v)
