@@ -20,15 +20,17 @@ keys. What each means for a walk:
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten
 
 from ..errors import ConfigError, DataError, RanksError, Refusal
-from ..training.ranks import Ranks, StepSum, reduce_step
-from ..walk import WalkConfig, Window, apply_step, arch, exact_gradient, train_window, window_loss
+from ..training.mlx_framework import MLXFramework
+from ..training.ranks import Ranks
+from ..walk import WalkConfig, Window, window_loss
 from ..walk.guards import NonFinite, check_ids
 
 NO_CUT = 1 << 31  # a max_seq_length that cuts nothing
@@ -145,7 +147,7 @@ def train(
         )
     iterate_batches = iterate_batches or mlx_trainer.iterate_batches
     base = walk_config or WalkConfig(chunk=512, recompute=args.grad_checkpoint)
-    layout = arch.inspect(model)
+    fw = MLXFramework.around(model, optimizer, ranks)
     losses, tokens, trained, steps, elapsed = 0.0, 0, 0, 0, 0.0
     model.train()
     batches = iterate_batches(**batching(train_dataset, args, ranks, loop=True))
@@ -165,11 +167,8 @@ def train(
                     }
                 )
         tic = time.perf_counter()
-        config = WalkConfig(**{**base.__dict__, "seed": it})
         try:
-            loss_value, weight = step(
-                model, optimizer, batch, lengths, it, args, config, walk, layout, ranks
-            )
+            loss_value, weight = step(fw, batch, lengths, it, args, StepConfig(base, walk))
         except NonFinite as e:
             kept = Path(args.adapter_file)
             last = f"{kept} is as saved" if kept.exists() else "nothing was saved"
@@ -199,10 +198,29 @@ def train(
             save(model, Path(args.adapter_file), numbered, adapter_config)
 
 
-def step(model, optimizer, batch, lengths, it, args, config, walk, layout, ranks: Ranks):
-    """One iteration: this rank's row as a window, its gradient combined with the other
-    ranks' (one all_sum), one step. Returns the step's loss and labelled weight."""
-    error, window = None, None
+@dataclass
+class StepConfig:
+    """What the training loop's step (training/mlx_framework.py) reads of a run's config, for
+    one window per rank and no clipping (mlx-lm's trainer clips none)."""
+
+    base: WalkConfig
+    walk: str = "exact"
+    windows_per_step: int = 1
+    grad_clip: float | None = None
+
+    @property
+    def horizon(self) -> int:
+        return self.base.horizon
+
+    def walk_config(self, seed: int | None = None) -> WalkConfig:
+        return replace(self.base, seed=seed)
+
+
+def step(fw: MLXFramework, batch, lengths, it: int, args, config: StepConfig):
+    """One iteration: this rank's row as a window, walked and stepped by the training loop's
+    step (its gradient combined with the other ranks' in one all_sum). Returns the step's loss
+    and labelled weight."""
+    ranks, error, window = fw.ranks, None, None
     try:
         window = window_of(batch, lengths)
         if window is None:  # mlx-lm's loss would be 0/0 here
@@ -210,37 +228,23 @@ def step(model, optimizer, batch, lengths, it, args, config, walk, layout, ranks
                 f"iteration {it}: the batch has no labelled token within "
                 f"max_seq_length ({args.max_seq_length})"
             )
-        named(lambda w=window: check_ids(w, layout.vocab), f"iteration {it}")
-        if walk != "exact" or ranks.size == 1:
-            run = train_window(model, optimizer, window, config, walk, layout=layout, clip=None)
-            return run.loss, window.total
-        run, grads = exact_gradient(model, window, config, layout=layout)
-    except NonFinite:
-        if ranks.size == 1:
-            raise
-        error = NonFinite("a NaN or infinite loss or gradient")
+        named(lambda w=window: check_ids(w, fw.layout.vocab), f"iteration {it}")
     except Exception as e:
         if ranks.size == 1:
             raise
-        error = e
-    slots = np.zeros(ranks.size, np.float32)
-    part = StepSum(
-        tree_map(mx.zeros_like, model.trainable_parameters()),
-        slots.copy(),
-        slots.copy(),
-        slots.copy(),
-    )
-    part.finite = not isinstance(error, NonFinite)
-    if error is None:
-        part.grads = tree_map(lambda g: g * window.total, grads)
-        part.losses[ranks.rank], part.weights[ranks.rank] = run.loss, window.total
-    done = reduce_step(ranks, part, None if isinstance(error, NonFinite) else error)
-    if isinstance(error, NonFinite) or not done.finite:
-        raise NonFinite("a NaN or infinite loss or gradient on one of the ranks")
-    apply_step(model, optimizer, done.grads)
-    mx.eval(model.parameters(), optimizer.state)
-    weight = float(done.weights.sum())
-    return float((done.losses * done.weights).sum() / weight), weight
+        error, window = e, None
+    if config.walk == "plain":
+        stepped = fw.step_plain(window, config, it, None)
+    else:
+        slots = [None] * ranks.size
+        slots[ranks.rank] = window
+        stepped = fw.step(slots, config, it - ranks.rank, None, error)
+    if not stepped.finite:
+        where = "" if ranks.size == 1 else " on one of the ranks"
+        raise NonFinite(f"{stepped.error or 'a NaN or infinite loss or gradient'}{where}")
+    weights = stepped.weights
+    weight = float(weights.sum())
+    return float((stepped.losses * weights).sum() / weight), weight
 
 
 def clear_cache(threshold: int) -> None:

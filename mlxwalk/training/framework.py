@@ -45,6 +45,7 @@ class Stepped:
     finite: bool = True
     error: BaseException | None = None
     reduce_seconds: float = 0.0  # in the ranks' reduction, the wait for the slowest included
+    weights: np.ndarray | None = None  # each window's labelled weight, where known
 
 
 class Framework:

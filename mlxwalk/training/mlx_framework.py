@@ -61,6 +61,13 @@ class MLXFramework(Framework):
         self.ranks = ranks or Ranks(None)
         self.nan: NonFinite | None = None  # what this rank's non-finite window said
 
+    @classmethod
+    def around(cls, model, optimizer, ranks: Ranks) -> MLXFramework:
+        """The mechanics around a model and optimizer made elsewhere (mlx-lm's drop-in)."""
+        fw = cls(ranks)
+        fw.model, fw.optimizer, fw.layout = model, optimizer, arch.inspect(model)
+        return fw
+
     def model_folder(self, model: str) -> Path:
         return models.resolve(model)
 
@@ -117,8 +124,10 @@ class MLXFramework(Framework):
     def peak(self) -> int:
         return mx.get_peak_memory()
 
-    def step(self, examples: list, cfg, seed: int, on_chunk) -> Stepped:
-        part, error = self.walk_share(examples, cfg, seed, on_chunk)
+    def step(self, examples: list, cfg, seed: int, on_chunk, error=None) -> Stepped:
+        """(`error`: this rank failed before its walk; every rank stops with it.)"""
+        part, walked_error = self.walk_share(examples, cfg, seed, on_chunk)
+        error = error or walked_error
         walked = time.perf_counter()
         step = reduce_step(self.ranks, part, error)
         reduced = time.perf_counter() - walked
@@ -128,7 +137,7 @@ class MLXFramework(Framework):
             return Stepped(step.losses, step.horizons, False, error, reduced)
         apply_step(self.model, self.optimizer, step.grads, cfg.grad_clip)
         mx.eval(self.model.parameters(), self.optimizer.state)
-        return Stepped(step.losses, step.horizons, reduce_seconds=reduced)
+        return Stepped(step.losses, step.horizons, reduce_seconds=reduced, weights=step.weights)
 
     def walk_share(self, examples: list, cfg, seed: int, on_chunk):
         """This rank's windows of the step: their gradients, each weighted by its labelled
@@ -143,6 +152,8 @@ class MLXFramework(Framework):
         error = None
         for i in self.ranks.mine(list(range(slots)), cfg.windows_per_step):
             ex = examples[i]
+            if ex is None:  # (this rank failed before its walk)
+                continue
             window = Window.of(ex.inputs, ex.targets, ex.weights)
             try:
                 walk, grads = exact_gradient(
@@ -180,7 +191,8 @@ class MLXFramework(Framework):
         except NonFinite as e:
             return Stepped(np.zeros(1), np.zeros(1), False, e)
         used = getattr(walk, "horizon_used", cfg.horizon)
-        return Stepped(np.array([walk.loss]), np.array([used if used != cfg.horizon else 0]))
+        horizon = np.array([used if used != cfg.horizon else 0])
+        return Stepped(np.array([walk.loss]), horizon, weights=np.array([window.total]))
 
     def window_loss(self, example, cfg) -> float:
         window = Window.of(example.inputs, example.targets, example.weights)
