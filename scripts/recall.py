@@ -46,8 +46,10 @@ from mlx.utils import tree_flatten  # noqa: E402
 import mlxwalk  # noqa: E402
 from mlxwalk import recall  # noqa: E402
 from mlxwalk.training import files  # noqa: E402
+from mlxwalk.training.mlx_framework import MLXFramework, WindowStep  # noqa: E402
+from mlxwalk.training.ranks import Ranks  # noqa: E402
 from mlxwalk.walk import WalkConfig, Window  # noqa: E402
-from mlxwalk.walk.api import apply_step, one_graph, train_window  # noqa: E402
+from mlxwalk.walk.api import apply_step, one_graph  # noqa: E402
 
 mlxwalk.use_openblas()  # MLX's CPU matrix products on OpenBLAS (mlxwalk/_blas.py)
 
@@ -187,9 +189,16 @@ def make_step(trainer: str, model, optimizer, config: WalkConfig, a):
             return loss.item()
 
     elif trainer in ("exact", "plain"):
+        # the training loop's own step (mlxwalk train's, the drop-in's)
+        fw = MLXFramework.around(model, optimizer, Ranks(None))
+        seeds = iter(range(1 << 62))
+        cfg = WindowStep(config, walk=trainer)
 
         def step(window: Window) -> float:
-            return train_window(model, optimizer, window, config, walk=trainer).loss
+            stepped = fw.step_window(window, cfg, next(seeds))
+            if not stepped.finite:
+                raise stepped.error
+            return float(stepped.losses[0])
 
     else:
         step = peer_step(model, optimizer, a)

@@ -20,7 +20,6 @@ keys. What each means for a walk:
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -28,7 +27,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..errors import ConfigError, DataError, RanksError, Refusal
-from ..training.mlx_framework import MLXFramework
+from ..training.mlx_framework import MLXFramework, WindowStep
 from ..training.ranks import Ranks
 from ..walk import WalkConfig, Window, window_loss
 from ..walk.guards import NonFinite, check_ids
@@ -168,7 +167,7 @@ def train(
                 )
         tic = time.perf_counter()
         try:
-            loss_value, weight = step(fw, batch, lengths, it, args, StepConfig(base, walk))
+            loss_value, weight = step(fw, batch, lengths, it, args, WindowStep(base, walk))
         except NonFinite as e:
             kept = Path(args.adapter_file)
             last = f"{kept} is as saved" if kept.exists() else "nothing was saved"
@@ -198,25 +197,7 @@ def train(
             save(model, Path(args.adapter_file), numbered, adapter_config)
 
 
-@dataclass
-class StepConfig:
-    """What the training loop's step (training/mlx_framework.py) reads of a run's config, for
-    one window per rank and no clipping (mlx-lm's trainer clips none)."""
-
-    base: WalkConfig
-    walk: str = "exact"
-    windows_per_step: int = 1
-    grad_clip: float | None = None
-
-    @property
-    def horizon(self) -> int:
-        return self.base.horizon
-
-    def walk_config(self, seed: int | None = None) -> WalkConfig:
-        return replace(self.base, seed=seed)
-
-
-def step(fw: MLXFramework, batch, lengths, it: int, args, config: StepConfig):
+def step(fw: MLXFramework, batch, lengths, it: int, args, config: WindowStep):
     """One iteration: this rank's row as a window, walked and stepped by the training loop's
     step (its gradient combined with the other ranks' in one all_sum). Returns the step's loss
     and labelled weight."""
@@ -233,12 +214,7 @@ def step(fw: MLXFramework, batch, lengths, it: int, args, config: StepConfig):
         if ranks.size == 1:
             raise
         error, window = e, None
-    if config.walk == "plain":
-        stepped = fw.step_plain(window, config, it, None)
-    else:
-        slots = [None] * ranks.size
-        slots[ranks.rank] = window
-        stepped = fw.step(slots, config, it - ranks.rank, None, error)
+    stepped = fw.step_window(window, config, it, error)
     if not stepped.finite:
         where = "" if ranks.size == 1 else " on one of the ranks"
         raise NonFinite(f"{stepped.error or 'a NaN or infinite loss or gradient'}{where}")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -15,7 +15,16 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from ..errors import FolderError
-from ..walk import Window, apply_step, arch, exact_gradient, machine, train_window, window_loss
+from ..walk import (
+    WalkConfig,
+    Window,
+    apply_step,
+    arch,
+    exact_gradient,
+    machine,
+    train_window,
+    window_loss,
+)
 from ..walk.guards import NonFinite
 from ..walk.store import check_cache_type
 from . import adapters, models
@@ -47,6 +56,24 @@ def make_optimizer(cfg, steps: int):
     if cfg.optimizer == "adamw":
         return optim.AdamW(learning_rate=lr, **wd)
     return optim.Adam(learning_rate=lr)
+
+
+@dataclass
+class WindowStep:
+    """What the loop's step reads of a run's config, for a caller that brings one window at a
+    time (the mlx-lm drop-in, the recall benchmark): one window a rank, clipping as asked."""
+
+    base: WalkConfig
+    walk: str = "exact"  # or "plain"
+    windows_per_step: int = 1
+    grad_clip: float | None = None  # mlx-lm's trainer clips none
+
+    @property
+    def horizon(self) -> int:
+        return self.base.horizon
+
+    def walk_config(self, seed: int | None = None) -> WalkConfig:
+        return replace(self.base, seed=seed)
 
 
 class MLXFramework(Framework):
@@ -138,6 +165,15 @@ class MLXFramework(Framework):
         apply_step(self.model, self.optimizer, step.grads, cfg.grad_clip)
         mx.eval(self.model.parameters(), self.optimizer.state)
         return Stepped(step.losses, step.horizons, reduce_seconds=reduced, weights=step.weights)
+
+    def step_window(self, window, cfg: WindowStep, seed: int, error=None) -> Stepped:
+        """One window (this rank's; None where it failed before, with `error`) stepped as the
+        loop steps: the plain walk alone, the exact walk's gradient combined over the ranks."""
+        if cfg.walk == "plain":
+            return self.step_plain(window, cfg, seed, None)
+        slots = [None] * self.ranks.size
+        slots[self.ranks.rank] = window
+        return self.step(slots, cfg, seed - self.ranks.rank, None, error)
 
     def walk_share(self, examples: list, cfg, seed: int, on_chunk):
         """This rank's windows of the step: their gradients, each weighted by its labelled
