@@ -35,3 +35,7 @@ class RanksError(Refusal):
 
 
 PlanError = Refusal  # the name every refusal went by before the kinds above; kept for the API
+
+
+class NonFinite(Refusal):
+    """A loss or gradient that is NaN or infinite, found before the step that would apply it."""

@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+import json
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
@@ -76,3 +77,31 @@ def refusal_row(model: str, message: str, untouched: bool) -> Row:
     return Row(
         model, "(3)", "host budget of 1 byte", "refused, adapter untouched", ok, detail=detail
     )
+
+
+def print_tables(
+    tables: Iterable[tuple[str, Iterable[Row]]],
+    title: str,
+    as_json: bool = False,
+    echo=print,
+    footer: Callable[[], str] | None = None,
+) -> bool:
+    """test-walk-exact's output for either framework: each model's header and rows as they come
+    (`tables` yields them lazily: a model loads when its turn comes), or one JSON object; then
+    `footer` and the verdict. True when every row is OK."""
+    rows: list[Row] = []
+    for header, table_rows in tables:
+        if not as_json:
+            echo(header)
+        for row in table_rows:
+            rows.append(row)
+            if not as_json:
+                echo(row.line())
+    ok = all(r.ok for r in rows)
+    if as_json:
+        echo(json.dumps({"ok": ok, "rows": [asdict(r) for r in rows]}, indent=2))
+        return ok
+    if footer is not None:
+        echo(footer())
+    echo(f"{title}: " + ("every row OK" if ok else "FAILED"))
+    return ok

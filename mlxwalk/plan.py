@@ -250,3 +250,28 @@ def plan_window(
         stride=stride,
         checkpoint_bytes=checkpoint_bytes(len(chunks), stride, footprint),
     )
+
+
+# The K/V store's element types, checked before any array exists.
+CACHE_TYPES = ("float32", "float16", "bfloat16", "q8")
+Q_GROUPS = (32, 64, 128)  # the group sizes mx.quantize takes
+
+
+def check_cache_type(cache_type: str, head_dims: tuple[int, ...] = ()) -> str:
+    """The cache type, or a refusal: an unknown name, or q8 for head dimensions MLX can't
+    quantize (its groups are 32, 64 or 128 wide)."""
+    if cache_type not in CACHE_TYPES:
+        raise ConfigError(
+            f"--cache-type {cache_type!r} is unknown; choose one of {', '.join(CACHE_TYPES)}"
+        )
+    if cache_type == "q8" and not q8_fits(head_dims):
+        raise ConfigError(
+            f"--cache-type q8 needs head dimensions that are multiples of {Q_GROUPS[0]} (MLX "
+            f"quantizes in groups of {', '.join(map(str, Q_GROUPS))}); this model's are "
+            f"{', '.join(map(str, head_dims))}"
+        )
+    return cache_type
+
+
+def q8_fits(head_dims: tuple[int, ...]) -> bool:
+    return all(d % Q_GROUPS[0] == 0 for d in head_dims)

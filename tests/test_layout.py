@@ -10,12 +10,19 @@ from . import extras
 PACKAGE = Path(__file__).resolve().parent.parent / "mlxwalk"
 LAYERS = {"errors": 0, "plan": 0, "grading": 0, "walking": 0, "ops": 1, "walk": 2, "training": 3,
           "plugin": 4, "torch_backend": 4, "commands": 5}  # fmt: skip
-# Modules beneath every framework: the algorithm and its data, shared by the MLX and torch walks.
-FRAMEWORK_FREE = ("mlxwalk.errors", "mlxwalk.plan", "mlxwalk.grading", "mlxwalk.walking")
+# Modules outside every backend: the walk's algorithm and its data, and the training loop with its
+# data, windows, run folder and config, shared by the MLX and torch backends.
+FRAMEWORK_FREE = ("mlxwalk.errors", "mlxwalk.plan", "mlxwalk.grading", "mlxwalk.walking",
+                  *(f"mlxwalk.training.{m}" for m in ("run", "framework", "runfolder", "config",
+                    "report", "windows", "data", "samples", "watch", "chat")))  # fmt: skip
+# Imported by the loop, with MLX's safetensors imported inside the two functions that use them.
+LOOP_HELPERS = ("mlxwalk.training.files",)
 FRAMEWORKS = ("mlx", "mlx_lm", "torch", "transformers", "peft")
-# The shared algorithm's names (walking.ExactAlgorithm): a backend supplies mechanics only.
+# The shared algorithm's names (walking.ExactAlgorithm) and the training loop's (run.Run): a
+# backend supplies mechanics only.
 SHARED = ("decode_forward", "entry_state", "reverse", "grad_from", "narrowed_taps",
-          "refuse_narrowing", "narrowed")  # fmt: skip
+          "refuse_narrowing", "narrowed", "loop", "stepped", "non_finite", "eval_due",
+          "evaluate_between", "end_epoch", "epoch_row", "rescue", "lost_write")  # fmt: skip
 
 
 def modules() -> dict[str, Path]:
@@ -93,21 +100,22 @@ def test_the_shared_modules_import_no_framework():
 
 
 def test_the_plan_imports_with_the_frameworks_blocked():
-    """`import mlxwalk.plan` (and the walk's algorithm) with mlx and torch unimportable: the
-    package's import does nothing else."""
+    """`import mlxwalk.plan`, the walk's algorithm and the training loop with every framework
+    unimportable: the package's import does nothing else, and no module outside a backend
+    imports one."""
     import subprocess
     import sys
 
+    names = ", ".join((*FRAMEWORK_FREE, *LOOP_HELPERS))
     code = ("import sys; [sys.modules.__setitem__(m, None) for m in ('mlx', 'mlx.core', 'torch', "
-            "'mlx_lm')]; import mlxwalk.plan, mlxwalk.walking, mlxwalk.grading, mlxwalk.errors; "
-            "print('ok')")  # fmt: skip
+            f"'mlx_lm', 'transformers', 'peft')]; import {names}; print('ok')")  # fmt: skip
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert p.stdout.strip() == "ok", p.stderr[-2000:]
 
 
 def test_the_backends_define_no_twin_of_the_shared_algorithm():
-    """The exact walk's phases live in mlxwalk/walking.py only: neither framework's walk defines
-    a function or method of theirs (a check by name)."""
+    """The exact walk's phases live in mlxwalk/walking.py only, the training loop's in
+    training/run.py: neither backend defines a function or method of theirs (a check by name)."""
     for name, path in modules().items():
         if name in FRAMEWORK_FREE:  # the shared algorithm and the plan it runs on
             continue

@@ -17,10 +17,8 @@ The adapter is moved to a random nonzero point first, so every LoRA gradient is 
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict
 
 import mlx.core as mx
 import mlx.optimizers as optim
@@ -28,7 +26,7 @@ import numpy as np
 from mlx import nn
 from mlx.utils import tree_flatten, tree_map
 
-from ..grading import BARS, EXACT, Row, compare, compared_row, flat, refusal_row
+from ..grading import BARS, EXACT, Row, compare, compared_row, flat, print_tables, refusal_row
 from ..plan import MIB, OutOfMemory
 from ..walk import ExactWalk, WalkConfig, Window, arch, train_window, window_gradient
 from ..walk.store import q8_fits
@@ -220,23 +218,13 @@ def table(models: list[tuple[str, str]], as_json: bool = False, echo=print) -> b
     """Run every row on every (name, path); print the table; True when every row is OK."""
     from ..training import models as loading
 
-    rows: list[Row] = []
-    for name, path in models:
-        model, _ = loading.load(path, tokenizer=False)
-        table = Table(prepare(model), name)
-        if not as_json:
-            echo(header(name, table))
-        for row in table.run():
-            rows.append(row)
-            if not as_json:
-                echo(row.line())
-    ok = all(r.ok for r in rows)
-    if as_json:
-        echo(json.dumps({"ok": ok, "rows": [asdict(r) for r in rows]}, indent=2))
-    else:
-        echo(kernels_line())
-        echo("test-walk-exact: " + ("every row OK" if ok else "FAILED"))
-    return ok
+    def tables():
+        for name, path in models:
+            model, _ = loading.load(path, tokenizer=False)
+            table = Table(prepare(model), name)
+            yield header(name, table), table.run()
+
+    return print_tables(tables(), "test-walk-exact", as_json, echo, kernels_line)
 
 
 def kernels_line() -> str:

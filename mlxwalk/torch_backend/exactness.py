@@ -12,13 +12,10 @@ The adapter starts at a random nonzero point, so every LoRA gradient is nonzero.
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict
-
 import numpy as np
 import torch
 
-from ..grading import BARS, EXACT, Row, compare, compared_row, refusal_row
+from ..grading import BARS, EXACT, Row, compare, compared_row, print_tables, refusal_row
 from ..plan import MIB, OutOfMemory
 from ..walk.config import Window
 from . import model as models
@@ -135,19 +132,11 @@ def header(name: str, model, table: Table) -> str:
 
 def run(chosen: list[tuple[str, str]], as_json: bool = False, echo=print, device=None) -> bool:
     """Every row on every (name, transformers folder), float32; True when every row is OK."""
-    rows: list[Row] = []
-    for name, folder in chosen:
-        model = models.add_lora(models.load(folder, device=device), rank=8, seed=0)
-        table = Table(model, name)
-        if not as_json:
-            echo(header(name, model, table))
-        for row in table.run():
-            rows.append(row)
-            if not as_json:
-                echo(row.line())
-    ok = all(r.ok for r in rows)
-    if as_json:
-        echo(json.dumps({"ok": ok, "rows": [asdict(r) for r in rows]}, indent=2))
-    else:
-        echo("test-walk-exact --backend torch: " + ("every row OK" if ok else "FAILED"))
-    return ok
+
+    def tables():
+        for name, folder in chosen:
+            model = models.add_lora(models.load(folder, device=device), rank=8, seed=0)
+            table = Table(model, name)
+            yield header(name, model, table), table.run()
+
+    return print_tables(tables(), "test-walk-exact --backend torch", as_json, echo)

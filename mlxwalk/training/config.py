@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
 
 from .. import tiny
 from ..errors import ConfigError
-from ..walk import WalkConfig
-from ..walk.store import check_cache_type
-from . import adapters, data
+from ..plan import check_cache_type
+from . import data
+
+if TYPE_CHECKING:
+    from ..walk import WalkConfig
+    from . import adapters
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
 SCHEDULES = ("cosine_decay", "linear_schedule")
@@ -202,12 +206,18 @@ class TrainConfig:
         check_cache_type(self.cache_type)
         return self
 
+    # MLX's forms of the run's settings, imported where its framework asks for them: the loop
+    # and this config stay free of array libraries.
     def lora(self) -> adapters.LoraConfig:
+        from . import adapters
+
         return adapters.LoraConfig(
             self.rank, self.scale, self.dropout, self.num_layers, self.targets
         )
 
     def walk_config(self, seed: int | None = None) -> WalkConfig:
+        from ..walk import WalkConfig
+
         return WalkConfig(
             chunk=self.chunk,
             horizon=self.horizon,

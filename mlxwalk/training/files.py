@@ -18,8 +18,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import mlx.core as mx
-
 from ..errors import ConfigError, FolderError, ModelError
 
 TMP_MARK = ".tmp-"
@@ -59,7 +57,9 @@ def write_text(path: Path, text: str) -> None:
 
 
 def save_safetensors(path: Path, arrays: dict, metadata: dict | None = None) -> None:
-    """`arrays` to `path`, written whole (atomic_write)."""
+    """MLX's `arrays` to `path`, written whole (atomic_write). (MLX is imported here, not at the
+    top: the training loop imports this module and stays free of array libraries.)"""
+    import mlx.core as mx
 
     def write(tmp: str) -> None:
         with open(tmp, "wb") as f:
@@ -69,7 +69,10 @@ def save_safetensors(path: Path, arrays: dict, metadata: dict | None = None) -> 
 
 
 def load_safetensors(path: Path) -> dict:
-    """The arrays of a safetensors file, or a refusal naming the file (truncated, or not one)."""
+    """The arrays of a safetensors file as MLX's, or a refusal naming the file (truncated, or not
+    one)."""
+    import mlx.core as mx
+
     with open(path, "rb") as f:
         try:
             return mx.load(f, format="safetensors")

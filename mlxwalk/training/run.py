@@ -24,9 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import ConfigError, FolderError, RanksError
+from ..errors import ConfigError, FolderError, NonFinite, RanksError
 from ..plan import MIB
-from ..walk.guards import NonFinite
 from . import data, report, samples, windows
 from .config import TrainConfig
 from .files import TMP_MARK, FolderLock, NewFolder, sweep

@@ -7,7 +7,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ..errors import DataError, Refusal
+from ..errors import DataError, NonFinite, Refusal  # noqa: F401  (NonFinite re-exported)
 
 
 def check_ids(window, vocab: int) -> None:
@@ -18,10 +18,6 @@ def check_ids(window, vocab: int) -> None:
             raise DataError(
                 f"{name} token id {bad} is outside the model's vocabulary of {vocab} ids"
             )
-
-
-class NonFinite(Refusal):
-    """A loss or gradient that is NaN or infinite, found before the step that would apply it."""
 
 
 def check_finite(loss: mx.array, grads: dict, what: str = "") -> None:

@@ -10,32 +10,10 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..errors import ConfigError
+from ..plan import CACHE_TYPES, Q_GROUPS, check_cache_type, q8_fits  # noqa: F401  (re-exported)
 
-CACHE_TYPES = ("float32", "float16", "bfloat16", "q8")
 _FLOAT = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 Q_BITS = 8
-Q_GROUPS = (32, 64, 128)  # the group sizes mx.quantize takes
-
-
-def check_cache_type(cache_type: str, head_dims: tuple[int, ...] = ()) -> str:
-    """The cache type, or a refusal: an unknown name, or q8 for head dimensions MLX can't
-    quantize (its groups are 32, 64 or 128 wide)."""
-    if cache_type not in CACHE_TYPES:
-        raise ConfigError(
-            f"--cache-type {cache_type!r} is unknown; choose one of {', '.join(CACHE_TYPES)}"
-        )
-    if cache_type == "q8" and not q8_fits(head_dims):
-        raise ConfigError(
-            f"--cache-type q8 needs head dimensions that are multiples of {Q_GROUPS[0]} (MLX "
-            f"quantizes in groups of {', '.join(map(str, Q_GROUPS))}); this model's are "
-            f"{', '.join(map(str, head_dims))}"
-        )
-    return cache_type
-
-
-def q8_fits(head_dims: tuple[int, ...]) -> bool:
-    return all(d % Q_GROUPS[0] == 0 for d in head_dims)
 
 
 def group_size(dim: int) -> int:
