@@ -8,21 +8,64 @@ from pathlib import Path
 from . import extras
 
 PACKAGE = Path(__file__).resolve().parent.parent / "mlxwalk"
-LAYERS = {"errors": 0, "plan": 0, "grading": 0, "walking": 0, "ops": 1, "walk": 2, "training": 3,
-          "plugin": 4, "torch_backend": 4, "commands": 5}  # fmt: skip
+LAYERS = {
+    "errors": 0,
+    "plan": 0,
+    "grading": 0,
+    "walking": 0,
+    "ops": 1,
+    "walk": 2,
+    "training": 3,
+    "plugin": 4,
+    "torch_backend": 4,
+    "commands": 5,
+}
 # Modules outside every backend: the walk's algorithm and its data, and the training loop with its
 # data, windows, run folder and config, shared by the MLX and torch backends.
-FRAMEWORK_FREE = ("mlxwalk.errors", "mlxwalk.plan", "mlxwalk.grading", "mlxwalk.walking",
-                  *(f"mlxwalk.training.{m}" for m in ("run", "framework", "runfolder", "config",
-                    "report", "windows", "data", "samples", "watch", "chat")))  # fmt: skip
+FRAMEWORK_FREE = (
+    "mlxwalk.errors",
+    "mlxwalk.plan",
+    "mlxwalk.grading",
+    "mlxwalk.walking",
+    *(
+        f"mlxwalk.training.{m}"
+        for m in (
+            "run",
+            "framework",
+            "runfolder",
+            "config",
+            "report",
+            "windows",
+            "data",
+            "samples",
+            "watch",
+            "chat",
+        )
+    ),
+)
 # Imported by the loop, with MLX's safetensors imported inside the two functions that use them.
 LOOP_HELPERS = ("mlxwalk.training.files",)
 FRAMEWORKS = ("mlx", "mlx_lm", "torch", "transformers", "peft")
 # The shared algorithm's names (walking.ExactAlgorithm) and the training loop's (run.Run): a
 # backend supplies mechanics only.
-SHARED = ("decode_forward", "entry_state", "reverse", "grad_from", "narrowed_taps",
-          "refuse_narrowing", "narrowed", "loop", "stepped", "non_finite", "eval_due",
-          "evaluate_between", "end_epoch", "epoch_row", "rescue", "lost_write")  # fmt: skip
+SHARED = (
+    "decode_forward",
+    "entry_state",
+    "reverse",
+    "grad_from",
+    "narrowed_taps",
+    "refuse_narrowing",
+    "narrowed",
+    "loop",
+    "stepped",
+    "non_finite",
+    "eval_due",
+    "evaluate_between",
+    "end_epoch",
+    "epoch_row",
+    "rescue",
+    "lost_write",
+)
 
 
 def modules() -> dict[str, Path]:
@@ -107,8 +150,10 @@ def test_the_plan_imports_with_the_frameworks_blocked():
     import sys
 
     names = ", ".join((*FRAMEWORK_FREE, *LOOP_HELPERS))
-    code = ("import sys; [sys.modules.__setitem__(m, None) for m in ('mlx', 'mlx.core', 'torch', "
-            f"'mlx_lm', 'transformers', 'peft')]; import {names}; print('ok')")  # fmt: skip
+    code = (
+        "import sys; [sys.modules.__setitem__(m, None) for m in ('mlx', 'mlx.core', 'torch', "
+        f"'mlx_lm', 'transformers', 'peft')]; import {names}; print('ok')"
+    )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert p.stdout.strip() == "ok", p.stderr[-2000:]
 
