@@ -57,7 +57,7 @@ TRAINERS = ("one-graph", "exact", "plain", "peer")
 VALID_SEED = 10_000  # held-out conversations come from their own seed
 
 
-def build_model(seed: int, width: int, layers: int, tied: bool = False):
+def build_model(seed: int, width: int, layers: int, tied: bool = False, rope_theta: float = 1e4):
     """A qwen2 in the tiny models' byte vocabulary, randomly initialised from `seed`, every weight
     trainable (there is no pretrained model to adapt, and LoRA on a random model learns little).
 
@@ -77,7 +77,7 @@ def build_model(seed: int, width: int, layers: int, tied: bool = False):
             "num_attention_heads": max(width // 32, 1),
             "num_key_value_heads": max(width // 64, 1),
             "rms_norm_eps": 1e-6,
-            "rope_theta": 10000.0,
+            "rope_theta": rope_theta,
             "max_position_embeddings": 131072,
             "tie_word_embeddings": tied,
         }

@@ -1,0 +1,338 @@
+#!/usr/bin/env python3
+"""Recall at long windows, reached by a curriculum: the fact in a window's first chunk, the
+question and its answer in the last, the window growing stage by stage.
+
+scripts/recall.py's task, model and trainers (docs/RECALL.md) at windows of --stages positions in
+chunks of --chunk (a stage of 4,096 in chunks of 128 puts the fact 32 chunks before the answer).
+Per seed, the --driver trainer (one graph by default: the reference) sets the schedule: it trains
+a stage an epoch at a time until its held-out exact-match accuracy reaches --advance, then moves
+to the next, longer window; a stage it does not pass within --max-epochs ends its schedule there
+(the longest window it learned is the one before). Every other trainer then follows that same
+schedule (the same stages, epochs, data, init and learning rate), so the trainers differ only in
+how they take the gradient. Per stage: held-out accuracy and answer loss, seconds and peak memory
+per window.
+
+--cap-gib: a trainer whose one step at a stage's window peaks over the cap (measured on a
+throwaway model first) does not train that stage or any later one; its rows say so. With
+`--driver exact` the exact walk sets the schedule, for windows past where one graph fits.
+
+Every trainer's state (weights, Adam's moments, where it is in the schedule) is saved after
+each epoch under --out; `--resume` continues each from there, to the same numbers as a run never
+stopped (`--stop-after N` stops after N epochs in all, as a session's end would).
+
+    scripts/recall-curriculum.py --stages 256 512 1024 2048 4096 --chunk 128 [--seeds 3]
+        [--trainers one-graph,exact,plain,peer] [--out runs/recall-curriculum] [--resume]
+    scripts/recall-curriculum.py --quick           a smoke run of seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("recall_bench", ROOT / "scripts" / "recall.py")
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)  # its model, steps and evaluation (first: it sets OpenBLAS's
+# threads before MLX loads it, so the imports below wait)
+
+import mlx.core as mx  # noqa: E402
+import mlx.optimizers as optim  # noqa: E402
+import numpy as np  # noqa: E402
+from mlx.utils import tree_flatten, tree_unflatten  # noqa: E402
+
+from mlxwalk import recall  # noqa: E402
+from mlxwalk.training import files  # noqa: E402
+from mlxwalk.walk import WalkConfig  # noqa: E402
+
+STOPPED = 3  # the exit status of a run stopped by --stop-after
+
+
+class Stop(Exception):
+    """--stop-after's count of epochs reached: every state is saved."""
+
+
+def stage_data(a, seed: int, stage: int, window: int) -> tuple[dict, dict]:
+    """A stage's training and held-out conversations: their own seeds per stage, the held-out
+    ones shared by every training seed."""
+    train = recall.dataset(1000 * seed + stage, a.train, window, a.chunk, a.decoys)
+    valid = recall.dataset(bench.VALID_SEED + stage, a.valid, window, a.chunk, a.decoys)
+    return train, valid
+
+
+def learning_rate(a):
+    """Warmup to --lr, then constant: a schedule that does not know how long training runs."""
+    warm = max(a.warmup, 1)
+    return optim.join_schedules(
+        [optim.linear_schedule(a.lr / 100, a.lr, warm), optim.linear_schedule(a.lr, a.lr, 1)],
+        [warm],
+    )
+
+
+class Trainee:
+    """One trainer on one seed: its model, optimizer and step, its place in the schedule and its
+    rows, saved and restored as one folder."""
+
+    def __init__(self, a, trainer: str, seed: int):
+        self.a, self.trainer, self.seed = a, trainer, seed
+        self.folder = Path(a.out) / "state" / f"{trainer}-seed{seed}"
+        self.model = bench.build_model(seed, a.width, a.layers, rope_theta=a.rope_theta)
+        self.optimizer = bench.ClippedAdam(a.clip, learning_rate=learning_rate(a))
+        self.optimizer.init(self.model.trainable_parameters())
+        config = WalkConfig(chunk=a.chunk, follow_runs=False)
+        self.step = bench.make_step(trainer, self.model, self.optimizer, config, a)
+        # where it is: stages done (rows), the epochs of the stage under way
+        self.progress = {"stages": [], "epochs": [], "done": False, "ended": None}
+
+    def save(self) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        weights = dict(tree_flatten(self.model.parameters()))
+        files.save_safetensors(self.folder / "model.safetensors", weights)
+        state = dict(tree_flatten(self.optimizer.state))
+        files.save_safetensors(self.folder / "optimizer.safetensors", state)
+        files.write_text(self.folder / "progress.json", json.dumps(self.progress, indent=1))
+
+    def restore(self) -> bool:
+        if not (self.folder / "progress.json").exists():
+            return False
+        self.progress = json.loads((self.folder / "progress.json").read_text())
+        weights = files.load_safetensors(self.folder / "model.safetensors")
+        self.model.load_weights(list(weights.items()))
+        state = files.load_safetensors(self.folder / "optimizer.safetensors")
+        self.optimizer.state = tree_unflatten(list(state.items()))
+        mx.eval(self.model.parameters(), self.optimizer.state)
+        return True
+
+    def epoch(self, stage: int, train: dict, valid: dict) -> dict:
+        """One pass over the stage's conversations in a seeded order; then the held-out scores."""
+        epoch = len(self.progress["epochs"]) + 1
+        order = np.random.default_rng([self.seed, stage, epoch]).permutation(len(train["inputs"]))
+        mx.reset_peak_memory()
+        start, loss = time.perf_counter(), 0.0
+        for i in order:
+            loss += self.step(bench.window_of(train, int(i)))
+        seconds = time.perf_counter() - start
+        peak = mx.get_peak_memory() / 2**20
+        acc, answer_loss, _ = bench.evaluate(self.model, valid, batch=self.a.eval_batch)
+        row = {"epoch": epoch, "accuracy": acc, "loss": answer_loss, "seconds": seconds}
+        row |= {"s_per_window": seconds / len(order), "peak_mib": peak}
+        row["train_loss"] = loss / len(order)
+        return row
+
+
+def probe_peak(a, trainer: str, window: int, data: dict) -> float:
+    """MiB one step of `trainer` peaks at on a throwaway model, at this window."""
+    model = bench.build_model(0, a.width, a.layers, rope_theta=a.rope_theta)
+    optimizer = bench.ClippedAdam(a.clip, learning_rate=a.lr)
+    step = bench.make_step(trainer, model, optimizer, WalkConfig(chunk=a.chunk), a)
+    mx.reset_peak_memory()
+    step(bench.window_of(data, 0))
+    return mx.get_peak_memory() / 2**20
+
+
+def train(a, trainee: Trainee, schedule: list[int] | None, budget: list[int]) -> list[int]:
+    """Train `trainee` from where it stands. `schedule`: the epochs per stage to follow (None:
+    it is the driver and makes one). Returns the schedule it followed. `budget`: epochs left
+    before --stop-after (a one-element list, shared)."""
+    p = trainee.progress
+    made = [s["epochs"] for s in p["stages"]]
+    for stage in range(len(p["stages"]), len(a.stages)):
+        if p["done"] or (schedule is not None and stage >= len(schedule)):
+            break
+        window = a.stages[stage]
+        train_set, valid_set = stage_data(a, trainee.seed, stage, window)
+        if a.cap_gib and not p["epochs"]:
+            peak = probe_peak(a, trainee.trainer, window, train_set)
+            if peak > a.cap_gib * 1024:
+                p["done"], p["ended"] = True, f"over the cap at {window}: {peak:.0f} MiB"
+                trainee.save()
+                break
+        while True:
+            if budget[0] == 0:
+                raise Stop
+            row = trainee.epoch(stage, train_set, valid_set)
+            p["epochs"].append(row)
+            budget[0] -= 1
+            epochs = len(p["epochs"])
+            print(
+                f"  {trainee.trainer} seed {trainee.seed} window {window} epoch {epochs}: "
+                f"acc {row['accuracy']:.3f} loss {row['loss']:.3f} "
+                f"{row['s_per_window']:.3f} s/window {row['peak_mib']:.0f} MiB",
+                flush=True,
+            )
+            if schedule is not None:
+                passed, end = None, epochs >= schedule[stage]
+            else:
+                passed = row["accuracy"] >= a.advance
+                end = passed or epochs >= a.max_epochs
+            if end:
+                break
+            trainee.save()
+        p["stages"].append(stage_row(window, p["epochs"], passed))
+        made.append(len(p["epochs"]))
+        p["epochs"] = []
+        if passed is False:  # the driver did not learn this window: the schedule ends here
+            p["done"], p["ended"] = True, f"did not reach {a.advance} at {window}"
+        trainee.save()
+    p["done"] = True
+    trainee.save()
+    return made
+
+
+def stage_row(window: int, epochs: list[dict], passed: bool | None) -> dict:
+    last = epochs[-1]
+    return {
+        "window": window,
+        "epochs": len(epochs),
+        "accuracy": last["accuracy"],
+        "loss": last["loss"],
+        "seconds": sum(e["seconds"] for e in epochs),
+        "s_per_window": statistics.fmean(e["s_per_window"] for e in epochs),
+        "peak_mib": max(e["peak_mib"] for e in epochs),
+        "passed": passed,
+        "per_epoch": epochs,
+    }
+
+
+def run(a) -> dict:
+    """Per seed: the driver first, then every other trainer on its schedule."""
+    budget = [a.stop_after if a.stop_after is not None else -1]
+    runs: dict = {}
+    for seed in range(a.seeds):
+        order = [a.driver] + [t for t in a.trainers if t != a.driver]
+        schedule = None
+        for trainer in order:
+            trainee = Trainee(a, trainer, seed)
+            if a.resume:
+                trainee.restore()
+            made = train(a, trainee, schedule, budget)
+            schedule = made if schedule is None else schedule
+            runs[f"{trainer}/{seed}"] = trainee.progress
+    return runs
+
+
+def summary(a, runs: dict) -> list[dict]:
+    """Per stage and trainer: accuracy's mean, spread (std) and range over seeds; answer loss,
+    seconds per window and peak memory averaged."""
+    rows = []
+    for window in a.stages:
+        for trainer in a.trainers:
+            got = [
+                s
+                for seed in range(a.seeds)
+                for s in runs.get(f"{trainer}/{seed}", {}).get("stages", [])
+                if s["window"] == window
+            ]
+            if not got:
+                continue
+            acc = [s["accuracy"] for s in got]
+            rows.append(
+                {
+                    "window": window,
+                    "trainer": trainer,
+                    "seeds": len(got),
+                    "epochs": statistics.fmean(s["epochs"] for s in got),
+                    "accuracy": statistics.fmean(acc),
+                    "spread": statistics.pstdev(acc),
+                    "min": min(acc),
+                    "max": max(acc),
+                    "loss": statistics.fmean(s["loss"] for s in got),
+                    "s_per_window": statistics.fmean(s["s_per_window"] for s in got),
+                    "peak_mib": max(s["peak_mib"] for s in got),
+                    "seconds": sum(s["seconds"] for s in got),
+                }
+            )
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    out = [
+        "| window | chunks | trainer | seeds | epochs | accuracy | spread | range | answer loss "
+        "| s/window | peak MiB | stage s |",
+        "|---:|---:|---|---:|---:|---:|---:|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        out.append(
+            f"| {r['window']:,} | {r['chunks']} | {r['trainer']} | {r['seeds']} | "
+            f"{r['epochs']:.1f} | {r['accuracy']:.3f} | {r['spread']:.3f} | "
+            f"{r['min']:.3f}-{r['max']:.3f} | {r['loss']:.3f} | {r['s_per_window']:.3f} | "
+            f"{r['peak_mib']:.0f} | {r['seconds']:.0f} |"
+        )
+    return "\n".join(out)
+
+
+def arguments(argv: list[str] | None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--stages", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096])
+    p.add_argument("--chunk", type=int, default=128)
+    p.add_argument("--advance", type=float, default=0.9, help="held-out accuracy to move on")
+    p.add_argument("--max-epochs", type=int, default=8, help="epochs the driver gives a stage")
+    p.add_argument("--driver", default="one-graph", choices=bench.TRAINERS[:2])
+    p.add_argument("--trainers", default="one-graph,exact,plain")
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--train", type=int, default=1000, help="training conversations a stage")
+    p.add_argument("--valid", type=int, default=256, help="held-out conversations a stage")
+    p.add_argument("--decoys", type=float, default=recall.DECOY_RATE)
+    p.add_argument("--width", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--rope-theta", type=float, default=1e4, help="RoPE's base")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--eval-batch", type=int, default=32)
+    p.add_argument("--cap-gib", type=float, help="a trainer whose step peaks over it stops")
+    p.add_argument("--out", default="runs/recall-curriculum")
+    p.add_argument("--resume", action="store_true", help="continue every trainer from --out")
+    p.add_argument("--stop-after", type=int, help="stop after this many epochs in all")
+    p.add_argument("--quick", action="store_true", help="a smoke run of seconds")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.stages, a.chunk, a.seeds, a.train, a.valid = [128, 256], 32, 1, 6, 6
+        a.width, a.layers, a.warmup = 32, 1, 2
+    a.trainers = a.trainers.split(",")
+    if unknown := set(a.trainers) - set(bench.TRAINERS):
+        p.error(f"--trainers: unknown {sorted(unknown)}; choose from {', '.join(bench.TRAINERS)}")
+    if a.driver not in a.trainers:
+        p.error(f"--driver {a.driver} is not among --trainers")
+    if "peer" in a.trainers and (reason := bench.prepare_peer(a)):
+        p.error(f"--trainers peer: {reason}")
+    if any(w % a.chunk for w in a.stages):
+        p.error(f"--stages: every window must be a multiple of --chunk ({a.chunk})")
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = arguments(argv)
+    start = time.perf_counter()
+    try:
+        runs = run(a)
+    except Stop:
+        print(f"stopped after {a.stop_after} epochs; --resume continues", flush=True)
+        return STOPPED
+    rows = summary(a, runs)
+    for r in rows:
+        r["chunks"] = r["window"] // a.chunk
+    print(
+        f"\nrecall by curriculum: stages {a.stages}, chunk {a.chunk}, driver {a.driver} "
+        f"(advance at {a.advance}, at most {a.max_epochs} epochs a stage), {a.seeds} seeds, "
+        f"qwen2 {a.layers}x{a.width}, rope base {a.rope_theta:g}, chance "
+        f"{1 / len(recall.CODES):.3f}; {time.perf_counter() - start:.0f} s"
+    )
+    print(table(rows))
+    for key, progress in runs.items():
+        if progress.get("ended"):
+            print(f"{key}: {progress['ended']}")
+    settings = {k: v for k, v in vars(a).items() if k not in ("resume", "stop_after")}
+    out = {"settings": settings, "runs": runs, "summary": rows}
+    files.write_text(Path(a.out) / "curriculum.json", json.dumps(out, indent=1))
+    print(f"JSON: {Path(a.out) / 'curriculum.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

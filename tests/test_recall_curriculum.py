@@ -1,0 +1,52 @@
+"""scripts/recall-curriculum.py in seconds: the driver's schedule followed by every trainer, a
+stage the driver does not pass ending the schedule, and a run stopped and resumed giving the
+numbers of one never stopped."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "recall-curriculum.py"
+
+
+def curriculum(out: Path, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(SCRIPT), "--quick", "--out", str(out), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
+def scores(out: Path) -> dict:
+    runs = json.loads((out / "curriculum.json").read_text())["runs"]
+    return {
+        key: [(s["window"], s["epochs"], s["accuracy"], s["loss"]) for s in run["stages"]]
+        for key, run in runs.items()
+    }
+
+
+def test_every_trainer_follows_the_drivers_schedule(tmp_path):
+    done = curriculum(tmp_path, "--max-epochs", "2", "--advance", "1.01")
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = scores(tmp_path)
+    # the driver never reaches 1.01: it gives the first stage its 2 epochs and stops there
+    assert [(w, e) for w, e, *_ in got["one-graph/0"]] == [(128, 2)]
+    for trainer in ("exact", "plain"):
+        assert [(w, e) for w, e, *_ in got[f"{trainer}/0"]] == [(128, 2)]
+    assert "one-graph/0: did not reach 1.01 at 128" in done.stdout
+    assert "| 128 | 4 | exact | 1 | 2.0 |" in done.stdout
+
+
+def test_a_stopped_run_resumes_to_the_same_numbers(tmp_path):
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    quick = ("--advance", "0", "--max-epochs", "1")  # each stage passed in one epoch
+    assert curriculum(whole, *quick).returncode == 0
+    stopped = curriculum(parts, *quick, "--stop-after", "3")
+    assert stopped.returncode == 3 and "--resume continues" in stopped.stdout
+    assert not (parts / "curriculum.json").exists()
+    resumed = curriculum(parts, *quick, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "one-graph seed 0 window 128" not in resumed.stdout  # done before the stop
+    want, got = scores(whole), scores(parts)
+    assert want.keys() == got.keys()
+    for key in want:
+        for (w0, e0, a0, l0), (w1, e1, a1, l1) in zip(want[key], got[key], strict=True):
+            assert (w0, e0, a0) == (w1, e1, a1) and abs(l0 - l1) <= 1e-6 * abs(l0), key
