@@ -120,9 +120,9 @@ def main() -> int:
         "--delta-paths",
         nargs="+",
         default=["auto"],
-        choices=["auto", "chunked"],
-        help="hybrid: one walk table per path of the delta rule: auto (the routing's choice) and "
-        "chunked (the chunked kernels, forced on CUDA: delta_chunked.CUDA_CHUNKED)",
+        choices=["auto", "ops", "chunked"],
+        help="hybrid: one walk table per path of the delta rule: auto (the routing's choice), ops "
+        "(the MLX ops) and chunked (the chunked kernels in half precision on CUDA)",
     )
     p.add_argument("--small", action="store_true")
     a = p.parse_args()
@@ -166,7 +166,8 @@ def main() -> int:
         )
         rows = steps(model, ["mlx-lm+ckpt"], a.mlx_lm_windows, config, 1, "hybrid-mlx-lm", {})
         for path in a.delta_paths:
-            delta_chunked.CUDA_CHUNKED = path == "chunked"
+            if path != "auto":
+                delta_chunked.CUDA_CHUNKED = (mx.bfloat16, mx.float16) if path == "chunked" else ()
             header(f"the walks, delta rule path {path}")
             rows += steps(
                 model,

@@ -57,7 +57,7 @@ def test_a_kernel_that_disagrees_falls_back_with_one_line(on_harness, monkeypatc
 )
 def test_on_cuda_only_when_measured_or_forced(on_harness, monkeypatch, mode, measured, used):
     monkeypatch.setattr(routing, "backend", lambda: "cuda")
-    monkeypatch.setattr(delta_chunked, "CUDA_CHUNKED", measured)
+    monkeypatch.setattr(delta_chunked, "CUDA_CHUNKED", (mx.float32,) if measured else ())
     monkeypatch.setenv("MLXWALK_KERNELS", mode)
     q, k, v, *_ = layer()
     case = delta_chunked.case_of(q, v)

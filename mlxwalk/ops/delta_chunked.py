@@ -13,9 +13,10 @@ from metal_kernels.delta import chunked
 
 from . import routing
 
-# On CUDA `auto` takes the kernels: on the H200 one Qwen3.5 layer's forward+backward took 5.6 /
-# 17.3 / 49.4 ms at 4K / 16K / 64K against the ops' 37 / 120 / 434 (docs/BENCHMARKS.md).
-CUDA_CHUNKED = True
+# The input dtypes for which `auto` on CUDA takes the kernels: on the H200 one Qwen3.5 layer's
+# forward+backward in bf16 took 5.6 / 17.3 / 49.4 ms at 4K / 16K / 64K against the ops' 37 / 120 /
+# 434 (docs/BENCHMARKS.md); float32 (float32 FMA in the same tiles) was not timed: the ops keep it.
+CUDA_CHUNKED = (mx.bfloat16, mx.float16)
 
 
 def case_of(q: mx.array, v: mx.array) -> routing.ChunkedDeltaCase | None:
@@ -31,7 +32,7 @@ def use(q: mx.array, k: mx.array, v: mx.array, twin) -> bool:
     case = case_of(q, v)
     if case is None or not chunked.supports(q, k, v, case.backend):
         return False
-    if case.backend == "cuda" and not CUDA_CHUNKED and not routing.forced():
+    if case.backend == "cuda" and case.dtype not in CUDA_CHUNKED and not routing.forced():
         return False
     return routing.decide(
         case, lambda c: kernel_vs_twin(c, twin), lambda c, size: race(c, size, twin)
