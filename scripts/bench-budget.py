@@ -35,7 +35,7 @@ use_openblas()  # MLX's CPU matrix products on OpenBLAS (mlxwalk/_blas.py)
 GIB = 1 << 30
 
 
-def one(model, optimizer, window: Window, config: WalkConfig) -> dict:
+def one(model, optimizer, window: Window, config: WalkConfig, profile: bool = False) -> dict:
     budget = config.memory_budget_mib
     row = {"budget_gib": round(budget / 1024, 2) if budget else None}
     mx.clear_cache()
@@ -53,6 +53,7 @@ def one(model, optimizer, window: Window, config: WalkConfig) -> dict:
     est = walk.estimate
     full = est.total if est else None
     phases = watch_phases(walk)
+    layers = clock(walk) if profile else None
     loss, grads = walk.run()
     check_finite(loss, grads)
     optimizer.update(model, grads)
@@ -84,6 +85,56 @@ def one(model, optimizer, window: Window, config: WalkConfig) -> dict:
         "tok_s": round(len(window) / seconds),
         "phases_gib": phases,
         "phase_seconds": phase_seconds,
+        "walk_seconds": round(sum(phase_seconds.values()), 1),
+        "layer_seconds": layers and {k: round(v, 2) for k, v in layers.items()},
+    }
+
+
+def clock(walk) -> dict:
+    """Seconds per (phase, layer kind) as the walk's layers are evaluated one at a time: decode,
+    the stem's forward, the recorded forward and the backward of the trained layers."""
+    seconds: dict = {}
+
+    def add(what: str, s: float) -> None:
+        seconds[what] = seconds.get(what, 0.0) + s
+
+    walk.layers.clock = add
+    return seconds
+
+
+def profile_lines(r: dict) -> list[str]:
+    """The profile as a table: each phase's layer kinds, and what the layers don't account for."""
+    layers, phases = r["layer_seconds"], r["phase_seconds"]
+    decode = phases.get("decode", 0.0)
+    chunks = sum(v for k, v in phases.items() if k.startswith("chunk"))
+    lines = ["| phase | layer kind | seconds | share of the window |", "|---|---|---:|---:|"]
+    total = decode + chunks
+    for what, s in sorted(layers.items()):
+        lines.append(f"| {what.split()[0]} | {what.split()[1]} | {s:.2f} | {s / total:.1%} |")
+    in_decode = sum(v for k, v in layers.items() if k.startswith("decode"))
+    in_chunks = sum(v for k, v in layers.items() if not k.startswith("decode"))
+    lines.append(
+        f"| decode | other (embedding, store writes, state checkpoints) | "
+        f"{decode - in_decode:.2f} | {(decode - in_decode) / total:.1%} |"
+    )
+    lines.append(
+        f"| chunks | other (head and loss, accumulators, optimizer) | "
+        f"{chunks - in_chunks:.2f} | {(chunks - in_chunks) / total:.1%} |"
+    )
+    lines.append(f"| window | all | {total:.2f} | 100% |")
+    return lines
+
+
+def mlx_lm_row(model, window: int, repeats: int) -> dict:
+    """mlx-lm's checkpointed step (its trainer's loss, grad_checkpoint on every layer) on one
+    sequence of `window` tokens, the median of `repeats` after a warm-up."""
+    m = bench.measure_step(model, "mlx-lm+ckpt", window, WalkConfig(chunk=window), repeats)
+    return {
+        "walk": "mlx-lm+ckpt",
+        "window": window,
+        "seconds": round(m.seconds, 2),
+        "tok_s": round(m.tokens_per_second),
+        "peak_gib": round(m.peak_mib / 1024, 2),
     }
 
 
@@ -129,6 +180,20 @@ def main() -> None:
         help="one row per budget and attention path (auto, tiled, ...)",
     )
     p.add_argument("--keep-inputs", default="off", choices=["auto", "on", "off"])
+    p.add_argument(
+        "--products",
+        nargs="+",
+        default=["auto"],
+        help="one row per budget and product path of the quantized base (ops/products.py)",
+    )
+    p.add_argument("--profile", action="store_true", help="seconds per phase and layer kind")
+    p.add_argument(
+        "--mlx-lm-windows",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also time mlx-lm's checkpointed step at these windows, in the same process",
+    )
     p.add_argument("--small", action="store_true")
     a = p.parse_args()
     t = time.perf_counter()
@@ -153,7 +218,8 @@ def main() -> None:
         "stride | seconds |\n|---:|---|---:|---:|---:|---:|---:|---:|",
         flush=True,
     )
-    for attention, gib in [(at, g) for at in a.attention for g in a.budgets_gib]:
+    runs = [(at, pr, g) for at in a.attention for pr in a.products for g in a.budgets_gib]
+    for attention, products, gib in runs:
         config = WalkConfig(
             chunk=a.chunk,
             cache_type=a.cache_type,
@@ -161,10 +227,11 @@ def main() -> None:
             memory_budget_mib=gib * 1024 if gib else None,
             attention=attention,
             keep_inputs=a.keep_inputs,
+            products=products,
         )
-        print(f"attention {attention}:", flush=True)
-        r = one(model, optimizer, window, config)
-        r["attention"] = attention
+        print(f"attention {attention}, products {products}:", flush=True)
+        r = one(model, optimizer, window, config, a.profile)
+        r["attention"], r["products"] = attention, products
         rows.append(r)
         if r["verdict"] == "refused":
             print(
@@ -179,11 +246,26 @@ def main() -> None:
                 flush=True,
             )
             print(
+                f"  the walk's phases: {r['walk_seconds']} s, "
+                f"{round(a.window / r['walk_seconds'])} tokens/s",
+                flush=True,
+            )
+            print(
                 f"  estimate at the horizon used: {r['estimate_used_gib']} GiB; parts "
                 f"{r['parts_gib']}\n  peaks by phase (GiB): {r['phases_gib']}\n  seconds by "
                 f"phase: {r['phase_seconds']}",
                 flush=True,
             )
+            if a.profile:
+                print("\n".join(profile_lines(r)), flush=True)
+    for w in a.mlx_lm_windows:
+        r = mlx_lm_row(model, w, 2)
+        rows.append(r)
+        print(
+            f"mlx-lm+ckpt at {w}: {r['seconds']} s, {r['tok_s']} tokens/s, "
+            f"peak {r['peak_gib']} GiB",
+            flush=True,
+        )
     if out := os.environ.get("OUT"):
         (Path(out) / "budget.json").write_text(json.dumps(rows, indent=2))
 

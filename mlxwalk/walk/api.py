@@ -11,6 +11,7 @@ from mlx import nn
 
 from ..errors import ConfigError
 from ..ops.delta import fast_recurrence
+from ..ops.products import dequantized_products
 from ..plan import cut
 from .config import WALKS, WalkConfig, Window
 from .exact import ExactWalk
@@ -25,7 +26,7 @@ def window_loss(model: nn.Module, window: Window, config: WalkConfig, layout=Non
     runner = ChunkRunner(model, window, config, layout)
     chunks = cut(window.labels, runner.config.chunk, runner.config.follow_runs)
     losses: list = []
-    with walking(model):
+    with walking(model, runner.config.products):
         runner._new_store(chunks[-1].end)
         state = runner.zero_state()
         for chunk in chunks:
@@ -33,15 +34,16 @@ def window_loss(model: nn.Module, window: Window, config: WalkConfig, layout=Non
     return float(sum(v.item() for v in losses))
 
 
-def one_graph(model: nn.Module, window: Window) -> tuple[mx.array, dict]:
-    """The reference: the whole window as one graph, no cache."""
+def one_graph(model: nn.Module, window: Window, products: str = "auto") -> tuple[mx.array, dict]:
+    """The reference: the whole window as one graph, no cache, its quantized products as the
+    walk's (ops.products)."""
     x, y, w = window.arrays(0, len(window))
 
     def objective(params):
         model.update(params)
         return weighted_loss(model(x), y, w, window.total)
 
-    with fast_recurrence(model):
+    with fast_recurrence(model), dequantized_products(model, products):
         return mx.value_and_grad(objective)(model.trainable_parameters())
 
 
@@ -61,6 +63,7 @@ def window_gradient(
     accumulator_dtype: str = "float32",
     attention: str = "auto",
     keep_inputs: str = "auto",
+    products: str = "auto",
 ) -> tuple[float, dict]:
     """The window's loss sum(w * CE) / sum(w) and its gradient in `model.trainable_parameters()`.
 
@@ -81,9 +84,10 @@ def window_gradient(
         accumulator_dtype=accumulator_dtype,
         attention=attention,
         keep_inputs=keep_inputs,
+        products=products,
     ).check()
     if walk == "one-graph":
-        loss, grads = one_graph(model, window)
+        loss, grads = one_graph(model, window, products)
     elif walk == "exact":
         loss, grads = ExactWalk(model, window, config).run()
     else:

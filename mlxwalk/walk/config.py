@@ -9,6 +9,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import ConfigError, DataError
+from ..ops.products import PRODUCTS
 from ..plan import MIB, Labels
 from .accum import ACCUMULATOR_DTYPES
 from .store import check_cache_type
@@ -35,6 +36,9 @@ class WalkConfig:
     # with recompute: each layer's input, kept from the decode, replaces the recorded forward of
     # the reverse pass (layerwise.py); auto: when they fit the memory budget (or there is none)
     keep_inputs: str = "auto"
+    # a quantized base's decoder products: "dequantized" (dequantize, then multiply: faster at a
+    # chunk's rows on CUDA and the CPU), "quantized" (MLX's quantized product); auto: by backend
+    products: str = "auto"
 
     def check(self) -> WalkConfig:
         if self.chunk < 1:
@@ -57,6 +61,10 @@ class WalkConfig:
             raise ConfigError(
                 "--keep-inputs on: kept layer inputs serve --recompute's reverse "
                 "pass; give --recompute too"
+            )
+        if self.products not in PRODUCTS:
+            raise ConfigError(
+                f"products {self.products!r} is unknown; choose one of {', '.join(PRODUCTS)}"
             )
         if self.accumulator_dtype not in ACCUMULATOR_DTYPES:
             raise ConfigError(

@@ -148,7 +148,7 @@ class ExactWalk(ChunkRunner, ExactAlgorithm):
                 mx.set_memory_limit(limit)
 
     def walking(self):
-        return walking(self.model)
+        return walking(self.model, self.config.products)
 
     def new_store(self, positions: int) -> None:
         self._new_store(positions)
@@ -215,6 +215,7 @@ def probe(model, config: WalkConfig, reach: int | None = None, echo=None) -> bud
         recompute=config.recompute,
         attention=config.attention,
         cache_type=config.cache_type,
+        products=config.products,
         keep_inputs=keep,
     )
 

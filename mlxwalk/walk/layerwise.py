@@ -72,7 +72,7 @@ def gradient(
         g_params, dy, g_taps = differentiate(
             call.layer.trainable_parameters(), call.x, call.cache.inputs(), dy
         )
-        mx.eval(g_params, dy, g_taps)
+        layers.timed("backward", call.cache, [g_params, dy, g_taps])
         if sink is None:
             g_inputs[index[id(call.cache)]] = g_taps
         else:

@@ -32,8 +32,8 @@ _probes: dict[tuple, tuple[weakref.ref, int, Activations]] = {}
 
 def probe_key(model, config) -> tuple:
     """Everything that changes a probe's result: the model object, the chunk, recompute, the
-    attention path, the store's type, kept inputs, and the trainable parameters (which adapters,
-    at which shapes and dtypes)."""
+    attention path, the store's type, the base's products, kept inputs, and the trainable
+    parameters (which adapters, at which shapes and dtypes)."""
     trainable = tuple(
         (k, tuple(v.shape), str(v.dtype)) for k, v in tree_flatten(model.trainable_parameters())
     )
@@ -44,6 +44,7 @@ def probe_key(model, config) -> tuple:
         config.recompute,
         config.attention,
         config.cache_type,
+        getattr(config, "products", "auto"),
         keep,
         hash(trainable),
     )

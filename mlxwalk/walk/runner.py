@@ -13,6 +13,7 @@ from mlx import nn
 from ..errors import ConfigError
 from ..ops.attention import Prefix, tiled_attention
 from ..ops.delta import fast_recurrence
+from ..ops.products import dequantized_products
 from ..plan import Chunk
 from . import arch, layerwise
 from .accum import Accumulators
@@ -40,9 +41,15 @@ def _zeros(shape: tuple[int, ...]) -> mx.array:
 
 
 @contextmanager
-def walking(model: nn.Module) -> Iterator[None]:
-    """The model as the walk runs it: taps through every layer, the chunked delta rule."""
-    with walk_layers(model), fast_recurrence(model), tiled_attention(model):
+def walking(model: nn.Module, products: str = "auto") -> Iterator[None]:
+    """The model as the walk runs it: taps through every layer, the chunked delta rule, a
+    quantized base's products on its dequantized weights where that is faster (ops.products)."""
+    with (
+        walk_layers(model),
+        fast_recurrence(model),
+        tiled_attention(model),
+        dequantized_products(model, products),
+    ):
         yield
 
 
@@ -175,8 +182,10 @@ class ChunkRunner:
         x, y, w = self.window.arrays(chunk.start, chunk.end)
         self._seed(chunk)
         scored = losses is not None and chunk.labelled
-        # On CUDA a layer at a time (freed buffers return only once the GPU has run the graph)
-        with self.layers.eager_layers() if mx.cuda.is_available() else nullcontext():
+        # On CUDA a layer at a time (freed buffers return only once the GPU has run the graph);
+        # so too under a profile's clock, which times each layer
+        eager = mx.cuda.is_available() or self.layers.clock is not None
+        with self.layers.eager_layers() if eager else nullcontext():
             loss = self.run_chunk(x, caches, y, w, scored)  # the logits only if scored
         exit_state = [c.produced() for c in caches if isinstance(c, ChunkState)] or None
         kv = [c.produced() for c in caches if isinstance(c, ChunkKV)] if write else []

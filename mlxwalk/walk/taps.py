@@ -16,6 +16,7 @@ keeps its input; within `replaying` it hands back a kept input instead of runnin
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -202,6 +203,18 @@ class Layers:
     recorded: list[LayerCall] | None = None  # each layer run with no gradient and recorded
     kept: list | None = None  # the decode: each layer's input, then the last layer's output
     replay: list | None = None  # the reverse: those inputs, handed back in order
+    clock: Callable[[str, float], None] | None = None  # (what, seconds) per evaluated layer
+
+    def timed(self, what: str, cache, arrays) -> None:
+        """Evaluate `arrays`; with a clock, tell it the seconds under `what` and the layer's
+        kind (a profile: scripts/bench-budget.py --profile)."""
+        if self.clock is None:
+            mx.eval(arrays)
+            return
+        t = time.perf_counter()
+        mx.eval(arrays)
+        kind = "attention" if isinstance(cache, ChunkKV) else "recurrent"
+        self.clock(f"{what} {kind}", time.perf_counter() - t)
 
     @contextmanager
     def _set(self, **modes) -> Iterator[Layers]:
@@ -284,10 +297,11 @@ def _walk_class(base: type) -> type:
             modes.kept[-1:] = [None if frozen else x]
         if modes.eager:
             y = call(self, x, *args, **kwargs)
-            mx.eval(y)  # one layer's graph at a time
+            modes.timed("decode", cache, y)  # one layer's graph at a time
         elif modes.recorded is not None:
             y = call(self, x, *args, **kwargs)
-            mx.eval(x, y)  # one layer at a time: its graph is freed before the next is built
+            # one layer at a time: its graph is freed before the next is built
+            modes.timed("stem" if frozen else "forward", cache, [x, y])
             if not frozen:
                 modes.recorded.append(LayerCall(self, call, x, y, args, kwargs, cache))
         elif not modes.recompute or modes.kept is not None:  # the taps are bound and in the graph

@@ -1,0 +1,90 @@
+"""A quantized base's products at a chunk's size: the weight dequantized, then multiplied.
+
+`mx.quantized_matmul` reads the packed weight as it multiplies, which is what generation's few
+rows want: the weight's bytes are the cost. A chunk has thousands of rows, where the cost is the
+arithmetic, and there MLX's CUDA and CPU products are several times slower than a bf16 product
+of the dequantized weight (scripts/bench-qmm.py, docs/BENCHMARKS.md). So within the walk each
+decoder layer's affine-quantized projection dequantizes its weight for the product, one
+projection at a time, and its input's gradient dequantizes it again in the backward rather than
+keep it: the transient is one projection's weight at the activations' width, and nothing the
+graph holds grows. The same weights, the same products: only the rounding of the sum differs.
+
+The lm head (vocabulary x hidden, gigabytes wide) keeps the quantized product: its logits are
+computed in blocks (walk.loss.head_loss) and each block would dequantize it again.
+
+On Metal, MLX's quantized products are tiled for the matrix units and were not measured here:
+`auto` keeps them there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import cache
+
+import mlx.core as mx
+from mlx import nn
+
+PRODUCTS = ("auto", "quantized", "dequantized")
+
+
+def resolve(products: str) -> str:
+    """`auto`: dequantized on CUDA and the CPU (measured faster there), quantized on Metal."""
+    if products != "auto":
+        return products
+    return "quantized" if mx.metal.is_available() else "dequantized"
+
+
+@cache
+def dequantized_matmul(group_size: int, bits: int):
+    """x @ dequantize(w).T as a custom function whose VJP dequantizes again for x's gradient
+    (the weight is frozen: its cotangents are zeros, never evaluated)."""
+
+    @mx.custom_function
+    def product(x, w, scales, biases):
+        # x (..., in) @ (in, out) -> (..., out)
+        return x @ mx.dequantize(w, scales, biases, group_size, bits).T
+
+    @product.vjp
+    def product_vjp(primals, cotangent, output):
+        x, w, scales, biases = primals
+        # dy (..., out) @ (out, in) -> (..., in)
+        dx = cotangent @ mx.dequantize(w, scales, biases, group_size, bits)
+        return dx.astype(x.dtype), mx.zeros_like(w), mx.zeros_like(scales), mx.zeros_like(biases)
+
+    return product
+
+
+class DequantizedLinear(nn.QuantizedLinear):
+    """An affine-quantized linear layer whose product is `dequantized_matmul`."""
+
+    def __call__(self, x):
+        product = dequantized_matmul(self.group_size, self.bits)
+        y = product(x, self["weight"], self["scales"], self["biases"])
+        if "bias" in self:
+            y = y + self["bias"]
+        return y
+
+
+def _affine(m: nn.Module) -> bool:
+    return (
+        type(m) is nn.QuantizedLinear and getattr(m, "mode", "affine") == "affine" and "biases" in m
+    )
+
+
+@contextmanager
+def dequantized_products(model: nn.Module, products: str = "auto") -> Iterator[int]:
+    """Within the block, the decoder layers' affine-quantized projections multiply by their
+    dequantized weight (when `products` resolves to "dequantized"); yields how many do."""
+    if resolve(products) != "dequantized":
+        yield 0
+        return
+    layers = getattr(model, "layers", None) or []
+    swapped = [m for layer in layers for _, m in layer.named_modules() if _affine(m)]
+    try:
+        for m in swapped:
+            m.__class__ = DequantizedLinear
+        yield len(swapped)
+    finally:
+        for m in swapped:
+            m.__class__ = nn.QuantizedLinear
