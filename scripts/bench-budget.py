@@ -13,6 +13,7 @@ and, with $OUT set, to $OUT/budget.json.
 """
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -38,6 +39,7 @@ GIB = 1 << 30
 def one(model, optimizer, window: Window, config: WalkConfig, profile: bool = False) -> dict:
     budget = config.memory_budget_mib
     row = {"budget_gib": round(budget / 1024, 2) if budget else None}
+    gc.collect()  # the previous row's walk: its arrays go before this one measures its start
     mx.clear_cache()
     mx.reset_peak_memory()
     t = time.perf_counter()
@@ -53,7 +55,7 @@ def one(model, optimizer, window: Window, config: WalkConfig, profile: bool = Fa
     est = walk.estimate
     full = est.total if est else None
     phases = watch_phases(walk)
-    layers = clock(walk) if profile else None
+    layers = clock(walk, phases) if profile else None
     loss, grads = walk.run()
     check_finite(loss, grads)
     optimizer.update(model, grads)
@@ -90,12 +92,15 @@ def one(model, optimizer, window: Window, config: WalkConfig, profile: bool = Fa
     }
 
 
-def clock(walk) -> dict:
+def clock(walk, phases: dict) -> dict:
     """Seconds per (phase, layer kind) as the walk's layers are evaluated one at a time: decode,
-    the stem's forward, the recorded forward and the backward of the trained layers."""
+    re-decode (a chunk between checkpoints, decoded again in the reverse pass), the stem's
+    forward, the recorded forward and the backward of the trained layers."""
     seconds: dict = {}
 
     def add(what: str, s: float) -> None:
+        if what.startswith("decode") and "decode" in phases:  # the reverse pass has begun
+            what = "re-" + what
         seconds[what] = seconds.get(what, 0.0) + s
 
     walk.layers.clock = add
@@ -112,7 +117,7 @@ def profile_lines(r: dict) -> list[str]:
     for what, s in sorted(layers.items()):
         lines.append(f"| {what.split()[0]} | {what.split()[1]} | {s:.2f} | {s / total:.1%} |")
     in_decode = sum(v for k, v in layers.items() if k.startswith("decode"))
-    in_chunks = sum(v for k, v in layers.items() if not k.startswith("decode"))
+    in_chunks = sum(v for k, v in layers.items() if not k.startswith("decode"))  # re-decodes too
     lines.append(
         f"| decode | other (embedding, store writes, state checkpoints) | "
         f"{decode - in_decode:.2f} | {(decode - in_decode) / total:.1%} |"
@@ -179,7 +184,7 @@ def main() -> None:
         default=["auto"],
         help="one row per budget and attention path (auto, tiled, ...)",
     )
-    p.add_argument("--keep-inputs", default="off", choices=["auto", "on", "off"])
+    p.add_argument("--keep-inputs", default="off", choices=["auto", "on", "stem", "off"])
     p.add_argument(
         "--products",
         nargs="+",

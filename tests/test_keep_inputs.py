@@ -1,12 +1,13 @@
 """Layer inputs kept from the decode (--keep-inputs, with --recompute): the reverse pass runs each
 layer from its kept input with no recorded forward; exact against one graph, sized by the budget
 and dropped by `auto` when they don't fit; and the exact row fails when the wrong inputs are
-replayed."""
+replayed. With a frozen stem, its output alone can be kept ("stem"): no stem layer runs again."""
 
 import numpy as np
 import pytest
 
 from mlxwalk import window_gradient
+from mlxwalk.commands.test_walk_exact import upper_layers_only
 from mlxwalk.grading import BARS, EXACT, compare
 from mlxwalk.plan import MIB, PlanError
 from mlxwalk.walk import ExactWalk, WalkConfig, Window
@@ -51,13 +52,54 @@ def test_kept_inputs_are_sized_and_auto_leaves_them_out_past_the_budget(qwen2):
     window = Window.of(IDS[:-1], IDS[1:], np.ones(N))
     roomy = ExactWalk(qwen2, window, WalkConfig(32, recompute=True, memory_budget_mib=4096))
     layout = roomy.layout
-    assert roomy.keep
+    assert roomy.keep == "all"
     assert roomy.estimate.inputs == (len(layout.kinds) + 1) * layout.hidden * 96 * 4
     est = roomy.estimate
     tight = (est.total - est.inputs // 2) / MIB  # the rest fits, the inputs do not
     walk = ExactWalk(qwen2, window, WalkConfig(32, recompute=True, memory_budget_mib=tight))
-    assert not walk.keep and walk.estimate.inputs == 0 and walk.estimate.total <= tight * MIB
+    assert walk.keep == "off" and walk.estimate.inputs == 0  # no stem to fall back on
+    assert walk.estimate.total <= tight * MIB
     off = ExactWalk(qwen2, window, WalkConfig(32, recompute=True, keep_inputs="off"))
-    assert not off.keep
+    assert off.keep == "off"
     with pytest.raises(PlanError, match="--keep-inputs on: .* give --recompute"):
         WalkConfig(32, keep_inputs="on").check()
+
+
+def stem_labels(model, keep: str) -> tuple[list[str], dict]:
+    """The layers evaluated by a walk (as its clock hears them) and its gradient."""
+    window = Window.of(IDS[:-1], IDS[1:], np.ones(N))
+    walk = ExactWalk(model, window, WalkConfig(32, recompute=True, keep_inputs=keep))
+    heard: list[str] = []
+    walk.layers.clock = lambda what, seconds: heard.append(what)
+    _, grads = walk.run()
+    return heard, grads
+
+
+@pytest.mark.parametrize("model", ["qwen2", "hybrid"])
+def test_with_the_stems_output_kept_no_stem_layer_runs_again_and_the_walk_is_exact(request, model):
+    model = request.getfixturevalue(model)
+    with upper_layers_only(model, 2):
+        _, one = window_gradient(model, IDS[:-1], IDS[1:], np.ones(N), chunk=N, walk="one-graph")
+        ran, recorded = stem_labels(model, "off")
+        skipped, kept = stem_labels(model, "stem")
+    stem_runs = [sum(w.startswith("stem") for w in heard) for heard in (ran, skipped)]
+    # 4 chunks, the stem run in each; kept, only in the last (never decoded, trained first)
+    assert stem_runs[0] > 0 and stem_runs[1] == stem_runs[0] // 4
+    assert any(w.startswith("forward") for w in skipped)  # the trained layers still run
+    assert BARS[EXACT](*compare(kept, one)) and BARS[EXACT](*compare(recorded, one))
+
+
+def test_auto_falls_back_to_the_stems_output_then_to_nothing(qwen2):
+    window = Window.of(IDS[:-1], IDS[1:], np.ones(N))
+    with upper_layers_only(qwen2, 2):
+        roomy = ExactWalk(qwen2, window, WalkConfig(32, recompute=True, memory_budget_mib=4096))
+        layout, est = roomy.layout, roomy.estimate
+        assert roomy.keep == "all"
+        stem_bytes = layout.hidden * 96 * 4  # the stem's output over the 3 decoded chunks
+        no_inputs = est.total - est.inputs
+        tight = (no_inputs + stem_bytes + 1024) / MIB  # the stem's output fits, the rest do not
+        walk = ExactWalk(qwen2, window, WalkConfig(32, recompute=True, memory_budget_mib=tight))
+        assert walk.keep == "stem" and walk.estimate.inputs == stem_bytes
+        tighter = (no_inputs + stem_bytes // 2) / MIB
+        none = ExactWalk(qwen2, window, WalkConfig(32, recompute=True, memory_budget_mib=tighter))
+        assert none.keep == "off" and none.estimate.inputs == 0

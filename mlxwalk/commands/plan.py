@@ -52,8 +52,8 @@ def report(model, name: str, window: int, config: WalkConfig, echo=print) -> boo
     # Without a budget nothing is probed: the graph's share is measured only when it matters.
     unmeasured = budget.Activations(config.chunk, 0.0, 0.0)
     est = walk.estimate or budget.estimate(model, layout, unmeasured, plan, config.cache_type)
-    if walk.keep and not est.inputs:  # --recompute's layer inputs, kept from the decode
-        est = replace(est, inputs=budget.inputs_bytes(layout, plan, walk.stem))
+    if walk.keep != "off" and not est.inputs:  # --recompute's layer inputs, kept from the decode
+        est = replace(est, inputs=walk.inputs_bytes(plan))
     for line in est.lines():
         echo(line)
     if walk.estimate is None:

@@ -174,6 +174,13 @@ class Table:
                 lambda: self.grad(every, chunk=self.chunk, recompute=True, keep_inputs="on"),
                 lambda: self.grad(every, chunk=self.n, walk="one-graph"),
             )
+            self.compared(
+                "(8b)",
+                "the same, the stem's output kept: exact vs one graph",
+                EXACT,
+                lambda: self.grad(every, chunk=self.chunk, recompute=True, keep_inputs="stem"),
+                lambda: self.grad(every, chunk=self.n, walk="one-graph"),
+            )
         return self.rows
 
     def refusal(self, weights) -> Row:

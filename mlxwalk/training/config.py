@@ -111,8 +111,9 @@ class TrainConfig:
     keep_inputs: str = option(
         "auto",
         "with --recompute, each layer's input kept from the decode "
-        "(no recorded forward): auto (when it fits the memory budget), on "
-        "or off",
+        "(no recorded forward): auto (when it fits the memory budget, else the "
+        "stem's output alone when that fits), on, stem (the frozen stem's output "
+        "alone: the stem's layers don't run again) or off",
         plan=True,
     )
     strict_exact: bool = option(

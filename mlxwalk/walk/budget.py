@@ -70,7 +70,7 @@ class Estimate:
             f"  device: K/V store  {mib(self.store):>12}",
             *(
                 [
-                    f"  device: inputs     {mib(self.inputs):>12}   (each layer's, kept from the "
+                    f"  device: inputs     {mib(self.inputs):>12}   (layer inputs kept from the "
                     "decode)"
                 ]
                 if self.inputs
@@ -124,11 +124,12 @@ def estimate(
     )
 
 
-def inputs_bytes(layout, plan, stem: int = 0) -> int:
+def inputs_bytes(layout, plan, stem: int = 0, stem_only: bool = False) -> int:
     """The inputs of the decoder layers above the stem (and the last one's output) over every
-    decoded chunk."""
+    decoded chunk; `stem_only`: the stem's output alone."""
     decoded = plan.chunks[-1].start  # the last chunk is not decoded
-    return (len(layout.kinds) - stem + 1) * layout.hidden * decoded * layout.dtype.size
+    arrays = 1 if stem_only else len(layout.kinds) - stem + 1
+    return arrays * layout.hidden * decoded * layout.dtype.size
 
 
 def what_fits(layout, cache_type: str) -> str:

@@ -16,7 +16,7 @@ from .store import check_cache_type
 
 WALKS = ("exact", "plain", "one-graph")
 ATTENTIONS = ("auto", "tiled", "fused")
-KEEP_INPUTS = ("auto", "on", "off")
+KEEP_INPUTS = ("auto", "on", "stem", "off")
 
 
 @dataclass
@@ -34,7 +34,8 @@ class WalkConfig:
     attention: str = "auto"  # "tiled" (chunk_attention), "fused" (mlx-lm's); auto: ops.attention
     strict_exact: bool = False  # refuse a window the memory budget would narrow the horizon of
     # with recompute: each layer's input, kept from the decode, replaces the recorded forward of
-    # the reverse pass (layerwise.py); auto: when they fit the memory budget (or there is none)
+    # the reverse pass (layerwise.py); auto: when they fit the memory budget (or there is none),
+    # else the frozen stem's output alone ("stem": no stem layer runs in the reverse pass)
     keep_inputs: str = "auto"
     # a quantized base's decoder products: "dequantized" (dequantize, then multiply: faster at a
     # chunk's rows on CUDA and the CPU), "quantized" (MLX's quantized product); auto: by backend

@@ -30,9 +30,7 @@ class ExactWalk(ChunkRunner, ExactAlgorithm):
         self.plan = self.make_plan(self.config.host_budget)
         self.checkpoints: dict[int, State] = {}
         self.kept: dict[int, list[mx.array]] = {}  # per decoded chunk, its layers' inputs
-        self.keep = (
-            self.config.recompute and self.head is not None and (self.config.keep_inputs != "off")
-        )
+        self.keep = self.keep_mode()  # "all", "stem" or "off": which layer inputs are kept
         self.horizon_used = self.config.horizon  # narrowed per chunk if the memory budget asks
         self.remedies = (
             "raise --memory-budget-mib, or give --recompute or a smaller --cache-type or --chunk"
@@ -40,6 +38,16 @@ class ExactWalk(ChunkRunner, ExactAlgorithm):
         self.estimate = self.admit()
         if self.config.strict_exact:
             self.refuse_narrowing()
+
+    def keep_mode(self) -> str:
+        """Kept inputs serve recompute's layer-by-layer reverse pass: every trained layer's
+        ("all", for on and auto) or only the stem's output ("stem", where there is a stem)."""
+        wanted = self.config.keep_inputs
+        if not self.config.recompute or self.head is None or wanted == "off":
+            return "off"
+        if wanted == "stem":
+            return "stem" if self.stem else "off"
+        return "all"
 
     def make_plan(self, host_budget: int | None):
         return plan_window(
@@ -75,8 +83,11 @@ class ExactWalk(ChunkRunner, ExactAlgorithm):
             if plan is not None:
                 self.plan, est = plan, self.measure(plan)
                 least = replace(est, graph=least.graph)
-        if self.keep and self.config.keep_inputs == "auto" and est.total > device:
-            self.keep = False  # auto: the inputs are kept only where they fit with the rest
+        # auto: every layer's inputs where they fit with the rest, else the stem's output alone
+        for fallback in ("stem", "off"):
+            if self.config.keep_inputs != "auto" or self.keep == "off" or est.total <= device:
+                break
+            self.keep = fallback if fallback != "stem" or self.stem else "off"
             est = self.measure(self.plan)
             least = replace(est, graph=least.graph)
         budget.admit(least, device, budget.what_fits(self.layout, self.config.cache_type))
@@ -96,9 +107,14 @@ class ExactWalk(ChunkRunner, ExactAlgorithm):
         """The estimate for `plan`, with whatever else MLX holds now beyond the model's weights and
         the adapter's share (arrays the walk can't know of count against the budget too)."""
         est = budget.estimate(self.model, self.layout, self.acts, plan, self.config.cache_type)
-        inputs = budget.inputs_bytes(self.layout, plan, self.stem) if self.keep else 0
+        inputs = self.inputs_bytes(plan)
         resident = max(0, mx.get_active_memory() - est.weights - est.adapter)
         return replace(est, resident=resident, inputs=inputs)
+
+    def inputs_bytes(self, plan) -> int:
+        if self.keep == "off":
+            return 0
+        return budget.inputs_bytes(self.layout, plan, self.stem, stem_only=self.keep == "stem")
 
     def held(self) -> int:
         """What this walk holds besides a chunk's graph: its store, accumulators, checkpoints and
@@ -110,7 +126,7 @@ class ExactWalk(ChunkRunner, ExactAlgorithm):
             self.plan,
             self.config.cache_type,
         )
-        inputs = budget.inputs_bytes(self.layout, self.plan, self.stem) if self.keep else 0
+        inputs = self.inputs_bytes(self.plan)
         return est.store + est.accumulators + est.checkpoints + inputs
 
     def graph_bytes(self, taps: int, prefix: int) -> int:
@@ -158,9 +174,9 @@ class ExactWalk(ChunkRunner, ExactAlgorithm):
 
     def decode_chunk(self, chunk: Chunk, state: State) -> State:
         """With kept inputs, each layer's input of the chunk is kept for its reverse step."""
-        if not self.keep:
+        if self.keep == "off":
             return self.decode(chunk, state)
-        with self.layers.keeping() as kept:
+        with self.layers.keeping(stem_only=self.keep == "stem") as kept:
             state = self.decode(chunk, state)
         mx.eval(kept)
         self.kept[chunk.index] = kept
@@ -209,7 +225,7 @@ def probe(model, config: WalkConfig, reach: int | None = None, echo=None) -> bud
     """One chunk's graph on this model (probe.py), measured by exact walks of its own with the
     run's chunk, recompute, attention path, store type and kept inputs, over at most `reach`
     positions of prefix (None: as far as the probe goes)."""
-    keep = "on" if config.recompute and config.keep_inputs != "off" else "off"
+    keep = {"auto": "on"}.get(config.keep_inputs, config.keep_inputs) if config.recompute else "off"
     base = WalkConfig(
         chunk=config.chunk,
         recompute=config.recompute,

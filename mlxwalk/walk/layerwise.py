@@ -38,14 +38,18 @@ def gradient(
 ):
     """(loss share, gradient in the model's trainable parameters, per cache its taps' gradient),
     as `mx.value_and_grad` of the chunk's objective would give them. With `kept` (each layer's
-    input from the chunk's decode, and the last layer's output), no layer runs forward first.
+    input from the chunk's decode, and the last layer's output), no layer runs forward first;
+    with `kept` = [the stem's output] (the first trained layer's input), no stem layer does.
     With `sink`, each cache's taps' gradient goes to `sink(cache index, gradient)` as soon as its
     layer is differentiated (and that cache is done with), not into the list returned: a chunk
     then never holds more than one layer's."""
     for c in caches:
         c.bind(c.inputs())
     layers = layers or caches[0].layers  # the walk's (every cache carries it)
-    with layers.recording() if kept is None else layers.replaying(kept) as calls:
+    # a whole decode's list holds at least one input and the last output: one array is the stem's
+    stem_output = kept[0] if kept is not None and len(kept) == 1 else None
+    replay = kept is not None and stem_output is None
+    with layers.replaying(kept) if replay else layers.recording(stem_output) as calls:
         head.body(x, caches)
     names = {id(m): name for name, m in model.named_modules()}
     by_name: dict[str, mx.array] = {}

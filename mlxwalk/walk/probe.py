@@ -37,7 +37,7 @@ def probe_key(model, config) -> tuple:
     trainable = tuple(
         (k, tuple(v.shape), str(v.dtype)) for k, v in tree_flatten(model.trainable_parameters())
     )
-    keep = config.recompute and config.keep_inputs != "off"
+    keep = {"auto": "on"}.get(config.keep_inputs, config.keep_inputs) if config.recompute else "off"
     return (
         id(model),
         config.chunk,

@@ -203,6 +203,8 @@ class Layers:
     recorded: list[LayerCall] | None = None  # each layer run with no gradient and recorded
     kept: list | None = None  # the decode: each layer's input, then the last layer's output
     replay: list | None = None  # the reverse: those inputs, handed back in order
+    stem_only: bool = False  # keeping: the stem's output alone (the first trained layer's input)
+    stem_output: mx.array | None = None  # recording: the stem's layers skipped, this given
     clock: Callable[[str, float], None] | None = None  # (what, seconds) per evaluated layer
 
     def timed(self, what: str, cache, arrays) -> None:
@@ -232,16 +234,17 @@ class Layers:
         return self._set(eager=True)
 
     @contextmanager
-    def recording(self) -> Iterator[list[LayerCall]]:
-        """Within the block, each layer's call is run with no gradient, evaluated, and recorded."""
-        with self._set(recorded=[]):
+    def recording(self, stem_output: mx.array | None = None) -> Iterator[list[LayerCall]]:
+        """Within the block, each layer's call is run with no gradient, evaluated, and recorded;
+        with `stem_output`, the stem's layers don't run and the first trained layer reads it."""
+        with self._set(recorded=[], stem_output=stem_output):
             yield self.recorded
 
     @contextmanager
-    def keeping(self) -> Iterator[list]:
+    def keeping(self, stem_only: bool = False) -> Iterator[list]:
         """Within the block (a decode), each layer's input is kept, and the last layer's output
-        after them: the list the reverse pass replays."""
-        with self._set(kept=[]):
+        after them: the list the reverse pass replays. `stem_only`: the stem's output alone."""
+        with self._set(kept=[], stem_only=stem_only):
             yield self.kept
 
     @contextmanager
@@ -292,7 +295,12 @@ def _walk_class(base: type) -> type:
             if not frozen:
                 modes.recorded.append(LayerCall(self, call, x, y, args, kwargs, cache))
             return y
-        if modes.kept is not None:
+        if frozen and modes.stem_output is not None:
+            return modes.stem_output  # the stem's output, kept from the decode: no stem layer runs
+        if modes.kept is not None and modes.stem_only:
+            if not frozen and not modes.kept:
+                modes.kept.append(x)
+        elif modes.kept is not None:
             # (the previous layer's output, when it is this one's input)
             modes.kept[-1:] = [None if frozen else x]
         if modes.eager:
@@ -309,7 +317,7 @@ def _walk_class(base: type) -> type:
             cache.surrogate_value = cache.surrogate()
         else:
             return checkpointed(self, cache, x, args, kwargs)
-        if modes.kept is not None:
+        if modes.kept is not None and not modes.stem_only:
             modes.kept.append(y)
         return y
 
