@@ -25,9 +25,9 @@ def test_test_walk_exact_json_on_a_model_folder():
     )
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
-    assert out["ok"] and len(out["rows"]) == 13
+    assert out["ok"] and len(out["rows"]) == 14
     rows = {r["row"] for r in out["rows"]}
-    assert rows == {"(1)", "(1a)", "(1b)", "(1c)", "(2)", "(3)", "(7)", "(7b)", "(8)"}
+    assert rows == {"(1)", "(1a)", "(1b)", "(1c)", "(2)", "(3)", "(7)", "(7b)", "(8)", "(8b)"}
     assert all(r["rel_l2"] <= 1e-4 for r in out["rows"] if r["bar"].startswith("cosine >= 0.99999"))
 
 
