@@ -49,3 +49,18 @@ def test_plan_prints_the_estimate_and_exits_1_when_it_does_not_fit():
     assert "a shorter window" not in weights.stdout  # nothing the walk can change would fit
     host = run("plan", "--window", "1024", "--chunk", "256", "--host-budget-mib", "0.5")
     assert host.returncode == 1 and "host memory" in host.stdout
+
+
+def test_test_walk_exact_says_when_float32_products_may_run_in_tf32(monkeypatch):
+    import mlx.core as mx
+
+    from mlxwalk.commands import test_walk_exact as exactness
+
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("MLX_ENABLE_TF32", raising=False)
+    assert "MLX_ENABLE_TF32=0" in exactness.kernels_line()
+    monkeypatch.setenv("MLX_ENABLE_TF32", "0")
+    assert "TF32" not in exactness.kernels_line()
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("MLX_ENABLE_TF32")
+    assert "TF32" not in exactness.kernels_line()

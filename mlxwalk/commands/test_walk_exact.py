@@ -17,6 +17,7 @@ The adapter is moved to a random nonzero point first, so every LoRA gradient is 
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -241,7 +242,20 @@ def kernels_line() -> str:
     ran = [str(case) for case, ok in routing.verdicts().items() if ok]
     off = [str(case) for case, ok in routing.verdicts().items() if not ok]
     line = "kernels: " + ("; ".join(ran) if ran else f"none ({routing.why_none()})")
-    return line + (f"; ops path after a failed self-check: {'; '.join(off)}" if off else "")
+    line += f"; ops path after a failed self-check: {'; '.join(off)}" if off else ""
+    return line + (f"\n{TF32}" if tf32() else "")
+
+
+TF32 = (
+    "note: MLX's CUDA backend runs float32 products in TF32 unless MLX_ENABLE_TF32=0, and the "
+    "exact rows' bar (1e-4) needs float32: rerun with MLX_ENABLE_TF32=0 (in TF32 they read "
+    "about 4e-3)"
+)
+
+
+def tf32() -> bool:
+    """Whether this run's float32 products may be TF32 (CUDA, MLX_ENABLE_TF32 not 0)."""
+    return mx.cuda.is_available() and os.environ.get("MLX_ENABLE_TF32", "1") != "0"
 
 
 HELP = "the walk's gradient against one graph, row by row"
