@@ -84,10 +84,9 @@ class ExactWalk(ChunkRunner, ExactAlgorithm):
                 self.plan, est = plan, self.measure(plan)
                 least = replace(est, graph=least.graph)
         # auto: every layer's inputs where they fit with the rest, else the stem's output alone
-        for fallback in ("stem", "off"):
-            if self.config.keep_inputs != "auto" or self.keep == "off" or est.total <= device:
-                break
-            self.keep = fallback if fallback != "stem" or self.stem else "off"
+        fallbacks = ["stem", "off"] if self.stem else ["off"]
+        while self.config.keep_inputs == "auto" and self.keep != "off" and est.total > device:
+            self.keep = fallbacks.pop(0)
             est = self.measure(self.plan)
             least = replace(est, graph=least.graph)
         budget.admit(least, device, budget.what_fits(self.layout, self.config.cache_type))
@@ -225,14 +224,13 @@ def probe(model, config: WalkConfig, reach: int | None = None, echo=None) -> bud
     """One chunk's graph on this model (probe.py), measured by exact walks of its own with the
     run's chunk, recompute, attention path, store type and kept inputs, over at most `reach`
     positions of prefix (None: as far as the probe goes)."""
-    keep = {"auto": "on"}.get(config.keep_inputs, config.keep_inputs) if config.recompute else "off"
     base = WalkConfig(
         chunk=config.chunk,
         recompute=config.recompute,
         attention=config.attention,
         cache_type=config.cache_type,
         products=config.products,
-        keep_inputs=keep,
+        keep_inputs=probes.kept_for(config),
     )
 
     def peak(ids: np.ndarray, n: int, horizon: int) -> int:

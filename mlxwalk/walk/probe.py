@@ -30,6 +30,11 @@ Measure = Callable[[np.ndarray, int, int], int]
 _probes: dict[tuple, tuple[weakref.ref, int, Activations]] = {}
 
 
+def kept_for(config) -> str:
+    """The kept inputs a probe measures with: `auto` is measured as `on` (its first choice)."""
+    return {"auto": "on"}.get(config.keep_inputs, config.keep_inputs) if config.recompute else "off"
+
+
 def probe_key(model, config) -> tuple:
     """Everything that changes a probe's result: the model object, the chunk, recompute, the
     attention path, the store's type, the base's products, kept inputs, and the trainable
@@ -37,15 +42,14 @@ def probe_key(model, config) -> tuple:
     trainable = tuple(
         (k, tuple(v.shape), str(v.dtype)) for k, v in tree_flatten(model.trainable_parameters())
     )
-    keep = {"auto": "on"}.get(config.keep_inputs, config.keep_inputs) if config.recompute else "off"
     return (
         id(model),
         config.chunk,
         config.recompute,
         config.attention,
         config.cache_type,
-        getattr(config, "products", "auto"),
-        keep,
+        config.products,
+        kept_for(config),
         hash(trainable),
     )
 
