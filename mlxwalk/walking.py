@@ -67,12 +67,40 @@ class ExactAlgorithm:
         self.checkpoints = {}
         state = self.zero_state()
         chunks = self.plan.chunks
+        last = chunks[-1]  # no later chunk reads its K/V or state: not decoded
+        for run in self.decode_runs(chunks[:-1]):
+            if self.plan.checkpointed(run[0].index):
+                self.checkpoints[run[0].index] = state
+            state = self.decode_run(run, state)
+            for chunk in run:
+                self.tick("decode", chunk.index + 1, len(chunks))
+        if self.plan.checkpointed(last.index):
+            self.checkpoints[last.index] = state
+        self.tick("decode", last.index + 1, len(chunks))
+
+    def decode_runs(self, chunks) -> list[list[Chunk]]:
+        """The decode's runs: consecutive chunks decoded at once, up to `run_chunks()` of them,
+        a run starting wherever a recurrent state checkpoint is kept (only a run's entry state
+        exists)."""
+        runs: list[list[Chunk]] = []
+        most = max(1, self.run_chunks())
         for chunk in chunks:
-            if self.plan.checkpointed(chunk.index):
-                self.checkpoints[chunk.index] = state
-            if chunk is not chunks[-1]:  # no later chunk reads the last one's K/V or state
-                state = self.decode_chunk(chunk, state)
-            self.tick("decode", chunk.index + 1, len(chunks))
+            kept = self.recurrent and self.plan.checkpointed(chunk.index)
+            if not runs or len(runs[-1]) == most or kept:
+                runs.append([])
+            runs[-1].append(chunk)
+        return runs
+
+    def run_chunks(self) -> int:
+        """How many chunks the decode may run at once (1: chunk by chunk)."""
+        return 1
+
+    def decode_run(self, run: list[Chunk], state):
+        """A run of chunks with no gradient, their K/V into the store; the exit state. By
+        default chunk by chunk (a framework may run them at once)."""
+        for chunk in run:
+            state = self.decode_chunk(chunk, state)
+        return state
 
     def entry_state(self, chunk: Chunk):
         """The state entering `chunk`: its checkpoint, or decoded forward from the nearest one

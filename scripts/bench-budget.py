@@ -26,7 +26,7 @@ import numpy as np
 
 from mlxwalk import bench, use_openblas
 from mlxwalk.plan import MIB, OutOfMemory
-from mlxwalk.walk import ExactWalk, WalkConfig, Window, arch
+from mlxwalk.walk import ExactWalk, WalkConfig, Window, arch, taps
 from mlxwalk.walk.guards import check_finite
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,6 +85,8 @@ def one(model, optimizer, window: Window, config: WalkConfig, profile: bool = Fa
         "peak_over_budget": round(peak / (budget * MIB), 3) if budget else None,
         "horizon_used": walk.horizon_used,
         "stride": walk.plan.stride,
+        "head_used": walk.head_products,
+        "keep_used": walk.keep,
         "seconds": round(seconds, 1),
         "tok_s": round(len(window) / seconds),
         "phases_gib": phases,
@@ -195,6 +197,28 @@ def main() -> None:
         default=["auto"],
         help="one row per budget and product path of the quantized base (ops/products.py)",
     )
+    p.add_argument(
+        "--head-products",
+        nargs="+",
+        default=["auto"],
+        choices=["auto", "quantized", "dequantized"],
+        help="one row per budget for each: the untied lm head's products (WalkConfig)",
+    )
+    p.add_argument(
+        "--decode-runs",
+        type=int,
+        nargs="+",
+        default=[WalkConfig.decode_run],
+        help="one row per budget for each: positions the decode runs at once (0: by chunk)",
+    )
+    p.add_argument(
+        "--pipeline",
+        nargs="+",
+        default=["on"],
+        choices=["on", "off"],
+        help="one row per budget for each: layers evaluated one in flight while the next is "
+        "built (walk/taps.py PIPELINE), or each waited for",
+    )
     p.add_argument("--profile", action="store_true", help="seconds per phase and layer kind")
     p.add_argument(
         "--mlx-lm-windows",
@@ -227,8 +251,17 @@ def main() -> None:
         "stride | seconds |\n|---:|---|---:|---:|---:|---:|---:|---:|",
         flush=True,
     )
-    runs = [(at, pr, g) for at in a.attention for pr in a.products for g in a.budgets_gib]
-    for attention, products, gib in runs:
+    runs = [
+        (at, pr, hd, dr, pl, g)
+        for at in a.attention
+        for pr in a.products
+        for hd in a.head_products
+        for dr in a.decode_runs
+        for pl in a.pipeline
+        for g in a.budgets_gib
+    ]
+    for attention, products, head, decode_run, pipeline, gib in runs:
+        taps.PIPELINE = pipeline == "on"
         config = WalkConfig(
             chunk=a.chunk,
             cache_type=a.cache_type,
@@ -237,10 +270,17 @@ def main() -> None:
             attention=attention,
             keep_inputs=a.keep_inputs,
             products=products,
+            decode_run=decode_run,
+            head_products=head,
         )
-        print(f"attention {attention}, products {products}:", flush=True)
+        print(
+            f"attention {attention}, products {products}, head {head}, decode run {decode_run}, "
+            f"pipeline {pipeline}:",
+            flush=True,
+        )
         r = one(model, optimizer, window, config, a.profile)
-        r["attention"], r["products"] = attention, products
+        r.update(attention=attention, products=products, head=head, decode_run=decode_run)
+        r["pipeline"] = pipeline
         rows.append(r)
         if r["verdict"] == "refused":
             print(
@@ -256,7 +296,8 @@ def main() -> None:
             )
             print(
                 f"  the window's step (the walk and the update, no probe): {r['walk_seconds']} s, "
-                f"{round(a.window / r['walk_seconds'])} tokens/s",
+                f"{round(a.window / r['walk_seconds'])} tokens/s; head {r['head_used']}, inputs "
+                f"kept {r['keep_used']}",
                 flush=True,
             )
             print(

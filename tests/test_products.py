@@ -11,7 +11,10 @@ from mlx import nn
 from mlxwalk import bench, tiny, window_gradient
 from mlxwalk.commands.test_walk_exact import prepare
 from mlxwalk.grading import compare
+from mlxwalk.ops import products
 from mlxwalk.ops.products import DequantizedLinear, dequantized_matmul, dequantized_products
+from mlxwalk.walk.arch import Head
+from mlxwalk.walk.loss import LOSS_BLOCK, head_loss
 
 
 def rel(a: mx.array, b: mx.array) -> float:
@@ -37,19 +40,53 @@ def test_the_dequantized_product_and_its_gradient_equal_the_quantized_ones(bits)
     assert rel(dx_d, dx_q) < 1e-6
 
 
-def test_only_the_decoder_layers_affine_projections_are_swapped_and_then_restored():
+def test_the_decoder_layers_affine_projections_and_an_untied_head_are_swapped_and_restored():
     model, _ = bench.shaped("llama3-8b", small=True, bits=4)  # its head is an untied projection
     assert type(model.lm_head) is nn.QuantizedLinear
     in_layers = [m for layer in model.layers for _, m in layer.named_modules()]
-    quantized = [m for m in in_layers if isinstance(m, nn.QuantizedLinear)]
-    assert quantized
+    quantized = [m for m in in_layers if isinstance(m, nn.QuantizedLinear)] + [model.lm_head]
+    assert len(quantized) > 1
     with dequantized_products(model, "dequantized") as n:
         assert n == len(quantized)
         assert all(type(m) is DequantizedLinear for m in quantized)
-        assert type(model.lm_head) is nn.QuantizedLinear  # the head keeps MLX's product
     assert all(type(m) is nn.QuantizedLinear for m in quantized)
     with dequantized_products(model, "quantized") as n:
         assert n == 0
+    with dequantized_products(model, "dequantized", head=False) as n:
+        assert n == len(quantized) - 1
+        assert type(model.lm_head) is nn.QuantizedLinear
+
+
+def test_a_held_head_is_dequantized_once_for_every_block_and_equals_the_quantized_loss():
+    mx.random.seed(3)
+    lin = nn.Linear(64, 300, bias=False)
+    head_module = nn.QuantizedLinear.from_linear(lin, 64, 4)
+    n = LOSS_BLOCK + 200  # two blocks
+    h = mx.random.normal((1, n, 64))
+    y = mx.random.randint(0, 300, (1, n))
+    w = mx.ones((1, n))
+
+    def loss(h):
+        return head_loss(Head(None, head_module, head_module, lambda x: x), h, y, w, float(n))
+
+    quantized = mx.value_and_grad(loss)(h)
+    head_module.__class__ = DequantizedLinear
+    calls = []
+    original = DequantizedLinear.dequantized
+
+    def counted(self):
+        calls.append(1)
+        return original(self)
+
+    DequantizedLinear.dequantized = counted
+    try:
+        dequantized = mx.value_and_grad(loss)(h)
+    finally:
+        DequantizedLinear.dequantized = original
+    assert len(calls) == 1  # one dequantization for the two blocks' products and gradients
+    assert not products._held  # released after the loss is built
+    assert abs(dequantized[0].item() - quantized[0].item()) < 1e-5
+    assert rel(dequantized[1], quantized[1]) < 1e-5
 
 
 N = 160
@@ -68,3 +105,39 @@ def test_the_walk_on_dequantized_products_equals_one_graph_on_quantized_ones(nam
     cosine, err = compare(exact, one)
     print(f"{name}: exact (dequantized) vs one graph (quantized): relative L2 error {err:.1e}")
     assert cosine >= 0.99999 and err <= 2e-5
+
+
+def test_auto_gives_up_the_dequantized_head_first_when_a_budget_would_not_hold_it(monkeypatch):
+    from mlxwalk.plan import MIB, OutOfMemory
+    from mlxwalk.walk import ExactWalk, WalkConfig, Window, budget, exact
+
+    model, _ = bench.shaped("llama3-8b", small=True, bits=4)  # an untied quantized head
+    seen = []
+
+    def probe(model, config, reach=None, echo=None):  # the dequantized head's graph is huge
+        seen.append(config.head_products)
+        graph = 1e6 * MIB if config.head_products == "dequantized" else MIB
+        return budget.Activations(config.chunk, graph, 0.0, 0.0)
+
+    monkeypatch.setattr(exact, "probe", probe)
+    ids = np.random.default_rng(0).integers(0, 256, 257)
+    window = Window.of(ids[:-1], ids[1:], np.ones(256))
+
+    def walk(head: str, budget_mib: float) -> ExactWalk:
+        seen.clear()
+        config = WalkConfig(
+            chunk=64, recompute=True, memory_budget_mib=budget_mib, head_products=head
+        )
+        return ExactWalk(model, window, config)
+
+    tight = walk("auto", 4096)
+    assert seen == ["dequantized", "quantized"] and tight.head_products == "quantized"
+    with tight.walking():
+        assert type(model.lm_head) is nn.QuantizedLinear
+        assert type(model.layers[0].mlp.up_proj.linear) is DequantizedLinear
+    roomy = walk("auto", 2e6)
+    assert seen == ["dequantized"] and roomy.head_products == "dequantized"
+    with roomy.walking():
+        assert type(model.lm_head) is DequantizedLinear
+    with pytest.raises(OutOfMemory):  # asked for by name: refused, not given up
+        walk("dequantized", 4096)

@@ -9,8 +9,13 @@ projection at a time, and its input's gradient dequantizes it again in the backw
 keep it: the transient is one projection's weight at the activations' width, and nothing the
 graph holds grows. The same weights, the same products: only the rounding of the sum differs.
 
-The lm head (vocabulary x hidden, gigabytes wide) keeps the quantized product: its logits are
-computed in blocks (walk.loss.head_loss) and each block would dequantize it again.
+An untied lm head (vocabulary x hidden) is swapped too unless `head` is False. Its logits
+are computed in blocks, each checkpointed (walk.loss.head_loss): a product per block, forward,
+recomputed and transposed, each dequantizing the whole head (1 GiB in bf16 at Llama-3-8B's
+128,256 x 4,096) would hold several of those at once. So within `held(head)` the head is
+dequantized once and every block's product reads that copy: the head and loss hold one
+dequantized head beside the logits of one block. A tied head (the embedding read as a linear
+layer) keeps MLX's product.
 
 On Metal, MLX's quantized products are tiled for the matrix units and were not measured here:
 `auto` keeps them there.
@@ -26,6 +31,7 @@ import mlx.core as mx
 from mlx import nn
 
 PRODUCTS = ("auto", "quantized", "dequantized")
+HEAD_PRODUCTS = ("auto", "quantized", "dequantized")  # an untied lm head's (WalkConfig)
 
 
 def resolve(products: str) -> str:
@@ -55,15 +61,40 @@ def dequantized_matmul(group_size: int, bits: int):
     return product
 
 
+_held: dict[int, mx.array] = {}  # id(DequantizedLinear) -> its weight, dequantized once
+
+
 class DequantizedLinear(nn.QuantizedLinear):
-    """An affine-quantized linear layer whose product is `dequantized_matmul`."""
+    """An affine-quantized linear layer whose product is `dequantized_matmul`, or a product with
+    the weight `held` dequantized."""
+
+    def dequantized(self) -> mx.array:
+        w = self["weight"]
+        return mx.dequantize(w, self["scales"], self["biases"], self.group_size, self.bits)
 
     def __call__(self, x):
-        product = dequantized_matmul(self.group_size, self.bits)
-        y = product(x, self["weight"], self["scales"], self["biases"])
+        if (w := _held.get(id(self))) is not None:
+            y = x @ w.T  # (..., in) @ (in, out): w is a constant, its gradient never formed
+        else:
+            product = dequantized_matmul(self.group_size, self.bits)
+            y = product(x, self["weight"], self["scales"], self["biases"])
         if "bias" in self:
             y = y + self["bias"]
         return y
+
+
+@contextmanager
+def held(module: nn.Module) -> Iterator[None]:
+    """Within the block, a DequantizedLinear's products read one dequantization of its weight,
+    made here (lazily: the graphs built in the block hold it until they are evaluated)."""
+    if type(module) is not DequantizedLinear:
+        yield
+        return
+    _held[id(module)] = module.dequantized()
+    try:
+        yield
+    finally:
+        del _held[id(module)]
 
 
 def _affine(m: nn.Module) -> bool:
@@ -73,14 +104,20 @@ def _affine(m: nn.Module) -> bool:
 
 
 @contextmanager
-def dequantized_products(model: nn.Module, products: str = "auto") -> Iterator[int]:
-    """Within the block, the decoder layers' affine-quantized projections multiply by their
-    dequantized weight (when `products` resolves to "dequantized"); yields how many do."""
+def dequantized_products(
+    model: nn.Module, products: str = "auto", head: bool = True
+) -> Iterator[int]:
+    """Within the block, the decoder layers' affine-quantized projections (and an untied lm head,
+    if `head`) multiply by their dequantized weight (when `products` resolves to "dequantized");
+    yields how many do."""
     if resolve(products) != "dequantized":
         yield 0
         return
     layers = getattr(model, "layers", None) or []
     swapped = [m for layer in layers for _, m in layer.named_modules() if _affine(m)]
+    lm_head = getattr(getattr(model, "language_model", model), "lm_head", None)
+    if head and lm_head is not None and _affine(lm_head):
+        swapped.append(lm_head)
     try:
         for m in swapped:
             m.__class__ = DequantizedLinear

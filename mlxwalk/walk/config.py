@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import ConfigError, DataError
-from ..ops.products import PRODUCTS
+from ..ops.products import HEAD_PRODUCTS, PRODUCTS
 from ..plan import MIB, Labels
 from .accum import ACCUMULATOR_DTYPES
 from .store import check_cache_type
@@ -17,6 +17,7 @@ from .store import check_cache_type
 WALKS = ("exact", "plain", "one-graph")
 ATTENTIONS = ("auto", "tiled", "fused")
 KEEP_INPUTS = ("auto", "on", "stem", "off")
+DECODE_RUN = 8192  # positions: the 8B-shaped decode at 65,536, 5.8 s by chunks of 2,048 (H200)
 
 
 @dataclass
@@ -40,6 +41,15 @@ class WalkConfig:
     # a quantized base's decoder products: "dequantized" (dequantize, then multiply: faster at a
     # chunk's rows on CUDA and the CPU), "quantized" (MLX's quantized product); auto: by backend
     products: str = "auto"
+    # an untied quantized lm head's products, when `products` dequantizes: "dequantized" (the
+    # head dequantized once per chunk and held through its loss, ops.products), "quantized";
+    # auto: dequantized unless a memory budget would not hold it
+    head_products: str = "auto"
+    # positions the exact walk's decode runs through the model at once, in whole chunks (at least
+    # one): larger products for the same store and states. None: DECODE_RUN on CUDA, where the
+    # decode evaluates a layer at a time and attention is fused (so a run's graph is one layer's
+    # at the run's width), else one chunk at a time
+    decode_run: int | None = None
 
     def check(self) -> WalkConfig:
         if self.chunk < 1:
@@ -63,9 +73,16 @@ class WalkConfig:
                 "--keep-inputs on: kept layer inputs serve --recompute's reverse "
                 "pass; give --recompute too"
             )
+        if self.decode_run is not None and self.decode_run < 0:
+            raise ConfigError(f"decode run must be 0 or positive, got {self.decode_run}")
         if self.products not in PRODUCTS:
             raise ConfigError(
                 f"products {self.products!r} is unknown; choose one of {', '.join(PRODUCTS)}"
+            )
+        if self.head_products not in HEAD_PRODUCTS:
+            raise ConfigError(
+                f"head products {self.head_products!r} is unknown; choose one of "
+                f"{', '.join(HEAD_PRODUCTS)}"
             )
         if self.accumulator_dtype not in ACCUMULATOR_DTYPES:
             raise ConfigError(

@@ -17,7 +17,7 @@ from ..walking import ExactAlgorithm
 from . import budget
 from . import probe as probes
 from .accum import ACCUMULATOR_DTYPES, Accumulators
-from .config import WalkConfig, Window
+from .config import DECODE_RUN, WalkConfig, Window
 from .runner import ChunkRunner, State, walking
 from .taps import release
 
@@ -31,6 +31,8 @@ class ExactWalk(ChunkRunner, ExactAlgorithm):
         self.checkpoints: dict[int, State] = {}
         self.kept: dict[int, list[mx.array]] = {}  # per decoded chunk, its layers' inputs
         self.keep = self.keep_mode()  # "all", "stem" or "off": which layer inputs are kept
+        # an untied quantized head's products: auto is dequantized until a budget says otherwise
+        self.head_products = {"auto": "dequantized"}.get(c := self.config.head_products, c)
         self.horizon_used = self.config.horizon  # narrowed per chunk if the memory budget asks
         self.remedies = (
             "raise --memory-budget-mib, or give --recompute or a smaller --cache-type or --chunk"
@@ -69,8 +71,15 @@ class ExactWalk(ChunkRunner, ExactAlgorithm):
         if device is None:
             return None
         self.refuse_floor(device)
-        self.acts = probe(self.model, self.config, reach=self.plan.chunks[-1].start)
+        reach = self.plan.chunks[-1].start
+        self.acts = probe(self.model, self.probed(), reach=reach)
         est = self.measure(self.plan)
+        if self.config.head_products == "auto" and est.total > device:
+            # auto: the head's dequantized copy is the first thing given up (its gain is the
+            # smallest: 1 s of the 8B-shaped window's 20, docs/BENCHMARKS.md)
+            self.head_products = "quantized"
+            self.acts = probe(self.model, self.probed(), reach=reach)
+            est = self.measure(self.plan)
         last = self.plan.chunks[-1]
         one_chunk = min(self.plan.chunk, last.start - last.grad_from)  # the fewest taps there are
         least = replace(est, graph=self.graph_bytes(one_chunk, self.plan.chunks[-1].start))
@@ -91,6 +100,11 @@ class ExactWalk(ChunkRunner, ExactAlgorithm):
             least = replace(est, graph=least.graph)
         budget.admit(least, device, budget.what_fits(self.layout, self.config.cache_type))
         return est
+
+    def probed(self) -> WalkConfig:
+        """The config a probe measures: the run's, with the head's products as this walk has
+        them."""
+        return replace(self.config, head_products=self.head_products)
 
     def refuse_floor(self, device: int) -> None:
         """A budget below what the walk holds before any graph (the weights, the adapter, the
@@ -163,13 +177,40 @@ class ExactWalk(ChunkRunner, ExactAlgorithm):
                 mx.set_memory_limit(limit)
 
     def walking(self):
-        return walking(self.model, self.config.products)
+        return walking(self.model, self.config.products, self.head_products == "dequantized")
 
     def new_store(self, positions: int) -> None:
         self._new_store(positions)
 
     def kept_inputs(self, chunk: Chunk) -> list[mx.array] | None:
         return self.kept.get(chunk.index)
+
+    def run_chunks(self) -> int:
+        """Whole chunks in `config.decode_run` positions (see WalkConfig); one with dropout,
+        whose masks are drawn per chunk."""
+        run = self.config.decode_run
+        if run is None:
+            run = DECODE_RUN if mx.cuda.is_available() else 0
+        if self.seed is not None:
+            return 1
+        return max(1, run // self.plan.chunk)
+
+    def decode_run(self, run: list[Chunk], state: State) -> State:
+        """The run's chunks as one span through the model: its K/V written, each chunk's kept
+        inputs sliced from the span's."""
+        if len(run) == 1:
+            return self.decode_chunk(run[0], state)
+        span = replace(run[0], end=run[-1].end, weight=sum(c.weight for c in run))
+        if self.keep == "off":
+            return self.decode(span, state)
+        with self.layers.keeping(stem_only=self.keep == "stem") as kept:
+            state = self.decode(span, state)
+        mx.eval(kept)
+        for c in run:
+            a, b = c.start - span.start, c.end - span.start
+            # (1, span, hidden) -> (1, chunk, hidden); a frozen layer keeps None
+            self.kept[c.index] = [None if x is None else x[:, a:b] for x in kept]
+        return state
 
     def decode_chunk(self, chunk: Chunk, state: State) -> State:
         """With kept inputs, each layer's input of the chunk is kept for its reverse step."""
@@ -230,6 +271,7 @@ def probe(model, config: WalkConfig, reach: int | None = None, echo=None) -> bud
         attention=config.attention,
         cache_type=config.cache_type,
         products=config.products,
+        head_products=config.head_products,
         keep_inputs=probes.kept_for(config),
     )
 

@@ -71,16 +71,26 @@ def gradient(
         loss, dy = mx.array(0.0), mx.zeros_like(last)
     index = {id(c): i for i, c in enumerate(caches)}
     g_inputs: list = [[] for _ in caches]
+
+    def done(i: int, g_taps: list) -> None:  # a differentiated layer's taps, once it has run
+        layers.settle()
+        if sink is None:
+            g_inputs[i] = g_taps
+        else:
+            sink(i, g_taps)
+
+    ran = None  # the layer in flight: its taps go to the sink once the next one's graph is built
     for call in reversed(calls):
         differentiate = mx.grad(call.objective, argnums=(0, 1, 2))
         g_params, dy, g_taps = differentiate(
             call.layer.trainable_parameters(), call.x, call.cache.inputs(), dy
         )
+        if ran is not None:
+            done(*ran)
         layers.timed("backward", call.cache, [g_params, dy, g_taps])
-        if sink is None:
-            g_inputs[index[id(call.cache)]] = g_taps
-        else:
-            sink(index[id(call.cache)], g_taps)
+        ran = (index[id(call.cache)], g_taps)
         collect(call.layer, g_params)
+    if ran is not None:
+        done(*ran)
     grads = tree_map_with_path(lambda path, _: by_name[path], model.trainable_parameters())
     return loss, grads, g_inputs

@@ -5,6 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx import nn
 
+from ..ops import products
 from . import arch
 
 
@@ -29,7 +30,13 @@ def head_loss(head: arch.Head, h: mx.array, targets, weights, total: float) -> m
     """weighted_loss of the logits `head.project(h)`, LOSS_BLOCK positions at a time, each block
     checkpointed: the chunk's logits (positions x vocabulary, the largest tensor of a chunk's
     graph for a large vocabulary) are never all alive, in the forward or in the backward, at
-    the price of one more output projection."""
+    the price of one more output projection. A dequantized head is dequantized once for all
+    of them (ops.products.held)."""
+    with products.held(head.module):
+        return _blocks_loss(head, h, targets, weights, total)
+
+
+def _blocks_loss(head: arch.Head, h: mx.array, targets, weights, total: float) -> mx.array:
     n = h.shape[1]
     if n <= LOSS_BLOCK:
         return weighted_loss(head.project(h), targets, weights, total)

@@ -22,7 +22,7 @@ class PlainWalk(ChunkRunner):
         the chunks' gradients, each taken at the adapter that chunk saw."""
         chunks = cut(self.window.labels, self.config.chunk, self.config.follow_runs)
         loss, grads = mx.array(0.0), None
-        with walking(self.model, self.config.products):
+        with walking(self.model, self.config.products, self.config.head_products != "quantized"):
             self._new_store(chunks[-1].end)
             state = self.zero_state()
             for chunk in chunks:

@@ -49,6 +49,7 @@ def probe_key(model, config) -> tuple:
         config.attention,
         config.cache_type,
         config.products,
+        config.head_products,
         kept_for(config),
         hash(trainable),
     )

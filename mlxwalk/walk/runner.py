@@ -41,14 +41,15 @@ def _zeros(shape: tuple[int, ...]) -> mx.array:
 
 
 @contextmanager
-def walking(model: nn.Module, products: str = "auto") -> Iterator[None]:
+def walking(model: nn.Module, products: str = "auto", head: bool = True) -> Iterator[None]:
     """The model as the walk runs it: taps through every layer, the chunked delta rule, a
-    quantized base's products on its dequantized weights where that is faster (ops.products)."""
+    quantized base's products on its dequantized weights where that is faster (ops.products;
+    an untied quantized head's too if `head`)."""
     with (
         walk_layers(model),
         fast_recurrence(model),
         tiled_attention(model),
-        dequantized_products(model, products),
+        dequantized_products(model, products, head),
     ):
         yield
 

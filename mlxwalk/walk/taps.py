@@ -27,6 +27,10 @@ from mlx_lm.models.cache import create_attention_mask
 
 from ..ops.attention import Prefix
 
+# Layers evaluated one in flight while the next is built (Layers.timed); False: each waited for
+# (scripts/bench-budget.py --pipeline compares the two in one process)
+PIPELINE = True
+
 
 def inner(a: mx.array, b: mx.array) -> mx.array:
     """<a, b> in float32."""
@@ -206,17 +210,32 @@ class Layers:
     stem_only: bool = False  # keeping: the stem's output alone (the first trained layer's input)
     stem_output: mx.array | None = None  # recording: the stem's layers skipped, this given
     clock: Callable[[str, float], None] | None = None  # (what, seconds) per evaluated layer
+    pending: list | None = None  # the layer whose evaluation is in flight (see `timed`)
 
     def timed(self, what: str, cache, arrays) -> None:
-        """Evaluate `arrays`; with a clock, tell it the seconds under `what` and the layer's
-        kind (a profile: scripts/bench-budget.py --profile)."""
+        """Evaluate `arrays`, a layer's: the layer before is waited for, this one is started and
+        not waited for, so the next layer's graph is built while this one runs (the two are
+        never both in flight: a layer's buffers are allocated once the one before is done).
+        With a clock, each layer is waited for, and the clock told its seconds under `what` and
+        the layer's kind (a profile: scripts/bench-budget.py --profile)."""
+        self.settle()
         if self.clock is None:
-            mx.eval(arrays)
+            if PIPELINE:
+                mx.async_eval(arrays)
+                self.pending = arrays
+            else:
+                mx.eval(arrays)
             return
         t = time.perf_counter()
         mx.eval(arrays)
         kind = "attention" if isinstance(cache, ChunkKV) else "recurrent"
         self.clock(f"{what} {kind}", time.perf_counter() - t)
+
+    def settle(self) -> None:
+        """Wait for the layer in flight, if any."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            mx.eval(pending)
 
     @contextmanager
     def _set(self, **modes) -> Iterator[Layers]:
@@ -226,6 +245,7 @@ class Layers:
         try:
             yield self
         finally:
+            self.settle()  # nothing of the block's layers is left in flight
             for k, v in previous.items():
                 setattr(self, k, v)
 

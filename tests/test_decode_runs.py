@@ -1,0 +1,103 @@
+"""The exact walk's decode in runs (WalkConfig.decode_run): consecutive chunks through the model at
+once, the same store and states. The runs' grouping is plain data (split where a recurrent state
+checkpoint is kept); the walk with runs equals one graph, with and without kept inputs, and
+decodes once per run."""
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from mlxwalk.commands.test_walk_exact import upper_layers_only
+from mlxwalk.grading import BARS, EXACT, compare
+from mlxwalk.plan import Footprint, Plan, plan_window
+from mlxwalk.walk import ExactWalk, WalkConfig, Window, one_graph
+from mlxwalk.walking import ExactAlgorithm
+
+N = 160
+IDS = np.random.default_rng(11).integers(0, 256, N + 1)
+
+
+class Grouping(ExactAlgorithm):
+    """The algorithm's grouping alone, on a plan: no model."""
+
+    def __init__(self, plan: Plan, recurrent: bool, most: int):
+        self.plan, self.recurrent, self.most = plan, recurrent, most
+
+    def run_chunks(self) -> int:
+        return self.most
+
+
+def plan_of(chunks: int, stride: int) -> Plan:
+    plan = plan_window([1.0] * (10 * chunks), 10, Footprint(kv_width=4, state_bytes=8))
+    return replace(plan, stride=stride)
+
+
+def indices(runs) -> list[list[int]]:
+    return [[c.index for c in run] for run in runs]
+
+
+def test_runs_group_whole_chunks_and_start_where_a_state_checkpoint_is_kept():
+    plan = plan_of(9, stride=3)
+    assert indices(Grouping(plan, False, 4).decode_runs(plan.chunks[:-1])) == [
+        [0, 1, 2, 3],
+        [4, 5, 6, 7],
+    ]
+    # recurrent: the states entering chunks 3 and 6 are checkpoints, so runs start there
+    assert indices(Grouping(plan, True, 4).decode_runs(plan.chunks[:-1])) == [
+        [0, 1, 2],
+        [3, 4, 5],
+        [6, 7],
+    ]
+    assert indices(Grouping(plan, True, 2).decode_runs(plan.chunks[:-1])) == [
+        [0, 1],
+        [2],
+        [3, 4],
+        [5],
+        [6, 7],
+    ]
+    assert indices(Grouping(plan, False, 1).decode_runs(plan.chunks[:-1])) == [
+        [i] for i in range(8)
+    ]
+
+
+@pytest.mark.parametrize("keep", ["off", "on", "stem"])
+def test_the_walk_decoding_in_runs_equals_one_graph_and_decodes_once_per_run(
+    qwen2, keep, monkeypatch
+):
+    window = Window.of(IDS[:-1], IDS[1:], np.r_[np.zeros(20), np.ones(N - 20)])
+    with upper_layers_only(qwen2, 2 if keep == "stem" else 0):
+        walk_in_runs(qwen2, window, keep, monkeypatch)
+
+
+def walk_in_runs(model, window: Window, keep: str, monkeypatch) -> None:
+    _, one = one_graph(model, window)
+    spans = []
+    decode = ExactWalk.decode
+    monkeypatch.setattr(
+        ExactWalk,
+        "decode",
+        lambda self, chunk, *a, **k: spans.append(chunk.size) or decode(self, chunk, *a, **k),
+    )
+    grads = {}
+    for run in (0, 64):  # chunk by chunk; runs of two chunks (32 positions each)
+        spans.clear()
+        config = WalkConfig(chunk=32, recompute=keep != "off", keep_inputs=keep, decode_run=run)
+        _, grads[run] = ExactWalk(model, window, config).run()
+        assert spans == ([32] * 4 if run == 0 else [64, 64])  # the last chunk is never decoded
+        assert BARS[EXACT](*compare(grads[run], one)), (run, compare(grads[run], one))
+
+
+def test_a_hybrid_decodes_chunk_by_chunk_where_every_entry_state_is_kept(hybrid, monkeypatch):
+    window = Window.of(IDS[:-1], IDS[1:], np.ones(N))
+    spans = []
+    decode = ExactWalk.decode
+    monkeypatch.setattr(
+        ExactWalk,
+        "decode",
+        lambda self, chunk, *a, **k: spans.append(chunk.size) or decode(self, chunk, *a, **k),
+    )
+    _, grads = ExactWalk(hybrid, window, WalkConfig(chunk=40)).run()
+    _, one = one_graph(hybrid, window)
+    assert spans == [40, 40, 40]  # stride 1: a checkpoint before every chunk
+    assert BARS[EXACT](*compare(grads, one))
