@@ -97,6 +97,17 @@ def held(module: nn.Module) -> Iterator[None]:
         del _held[id(module)]
 
 
+def _lm_head(model: nn.Module) -> nn.Module | None:
+    return getattr(getattr(model, "language_model", model), "lm_head", None)
+
+
+def head_swapped(model: nn.Module, products: str = "auto") -> bool:
+    """Whether `dequantized_products(model, products)` would dequantize an lm head: an untied,
+    affine-quantized one, and products that resolve to dequantized."""
+    head = _lm_head(model)
+    return resolve(products) == "dequantized" and head is not None and _affine(head)
+
+
 def _affine(m: nn.Module) -> bool:
     return (
         type(m) is nn.QuantizedLinear and getattr(m, "mode", "affine") == "affine" and "biases" in m
@@ -115,9 +126,8 @@ def dequantized_products(
         return
     layers = getattr(model, "layers", None) or []
     swapped = [m for layer in layers for _, m in layer.named_modules() if _affine(m)]
-    lm_head = getattr(getattr(model, "language_model", model), "lm_head", None)
-    if head and lm_head is not None and _affine(lm_head):
-        swapped.append(lm_head)
+    if head and head_swapped(model, products):
+        swapped.append(_lm_head(model))
     try:
         for m in swapped:
             m.__class__ = DequantizedLinear

@@ -12,6 +12,7 @@ import mlx.core as mx
 import numpy as np
 from mlx import nn
 
+from ..ops.products import head_swapped
 from ..plan import MIB, Chunk, OutOfMemory, plan_window
 from ..walking import ExactAlgorithm
 from . import budget
@@ -32,7 +33,10 @@ class ExactWalk(ChunkRunner, ExactAlgorithm):
         self.kept: dict[int, list[mx.array]] = {}  # per decoded chunk, its layers' inputs
         self.keep = self.keep_mode()  # "all", "stem" or "off": which layer inputs are kept
         # an untied quantized head's products: auto is dequantized until a budget says otherwise
-        self.head_products = {"auto": "dequantized"}.get(c := self.config.head_products, c)
+        # ("as is": no head the walk would dequantize)
+        swappable = head_swapped(model, self.config.products)
+        auto = "dequantized" if swappable else "as is"
+        self.head_products = {"auto": auto}.get(c := self.config.head_products, c)
         self.horizon_used = self.config.horizon  # narrowed per chunk if the memory budget asks
         self.remedies = (
             "raise --memory-budget-mib, or give --recompute or a smaller --cache-type or --chunk"
@@ -74,7 +78,8 @@ class ExactWalk(ChunkRunner, ExactAlgorithm):
         reach = self.plan.chunks[-1].start
         self.acts = probe(self.model, self.probed(), reach=reach)
         est = self.measure(self.plan)
-        if self.config.head_products == "auto" and est.total > device:
+        auto_head = self.config.head_products == "auto" and self.head_products == "dequantized"
+        if auto_head and est.total > device:
             # auto: the head's dequantized copy is the first thing given up (its gain is the
             # smallest: 1 s of the 8B-shaped window's 20, docs/BENCHMARKS.md)
             self.head_products = "quantized"
@@ -104,7 +109,8 @@ class ExactWalk(ChunkRunner, ExactAlgorithm):
     def probed(self) -> WalkConfig:
         """The config a probe measures: the run's, with the head's products as this walk has
         them."""
-        return replace(self.config, head_products=self.head_products)
+        head = "auto" if self.head_products == "as is" else self.head_products
+        return replace(self.config, head_products=head)
 
     def refuse_floor(self, device: int) -> None:
         """A budget below what the walk holds before any graph (the weights, the adapter, the
