@@ -1,12 +1,14 @@
-"""The exact walk's decode in runs (WalkConfig.decode_run): consecutive chunks through the model at
-once, the same store and states. The runs' grouping is plain data (split where a recurrent state
-checkpoint is kept); the walk with runs equals one graph, with and without kept inputs, and
-decodes once per run."""
+"""The exact walk's schedule. Its decode in runs (WalkConfig.decode_run): consecutive chunks
+through the model at once, the same store and states; the runs' grouping is plain data (split
+where a recurrent state checkpoint is kept); the walk with runs equals one graph, with and without
+kept inputs, and decodes once per run. Its layers left in flight while the next is built: the
+same gradient, bit for bit."""
 
 from dataclasses import replace
 
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 
 from mlxwalk.commands.test_walk_exact import upper_layers_only
 from mlxwalk.grading import BARS, EXACT, compare
@@ -101,3 +103,25 @@ def test_a_hybrid_decodes_chunk_by_chunk_where_every_entry_state_is_kept(hybrid,
     _, one = one_graph(hybrid, window)
     assert spans == [40, 40, 40]  # stride 1: a checkpoint before every chunk
     assert BARS[EXACT](*compare(grads, one))
+
+
+def test_layers_left_in_flight_give_the_gradient_bit_for_bit(qwen2, monkeypatch):
+    """The pipeline (Layers.timed) changes when layers are waited for, not what they compute."""
+    import mlx.core as mx
+
+    from mlxwalk.walk import taps
+
+    window = Window.of(IDS[:-1], IDS[1:], np.ones(N))
+    started = []
+    async_eval = mx.async_eval
+    monkeypatch.setattr(mx, "async_eval", lambda *a: started.append(1) or async_eval(*a))
+    grads = {}
+    for pipeline in (False, True):
+        monkeypatch.setattr(taps, "PIPELINE", pipeline)
+        started.clear()
+        config = WalkConfig(chunk=40, recompute=True, keep_inputs="off")
+        _, grads[pipeline] = ExactWalk(qwen2, window, config).run()
+        assert bool(started) == pipeline  # each layer started and left in flight, or waited for
+    flat = {k: v for k, v in tree_flatten(grads[True])}
+    for k, v in tree_flatten(grads[False]):
+        assert mx.array_equal(v, flat[k]).item(), k
