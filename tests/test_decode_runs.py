@@ -72,15 +72,21 @@ def test_the_walk_decoding_in_runs_equals_one_graph_and_decodes_once_per_run(
         walk_in_runs(qwen2, window, keep, monkeypatch)
 
 
-def walk_in_runs(model, window: Window, keep: str, monkeypatch) -> None:
-    _, one = one_graph(model, window)
-    spans = []
+def decoded_spans(monkeypatch) -> list[int]:
+    """The size of each span the walks decode from here on, in order."""
+    spans: list[int] = []
     decode = ExactWalk.decode
     monkeypatch.setattr(
         ExactWalk,
         "decode",
         lambda self, chunk, *a, **k: spans.append(chunk.size) or decode(self, chunk, *a, **k),
     )
+    return spans
+
+
+def walk_in_runs(model, window: Window, keep: str, monkeypatch) -> None:
+    _, one = one_graph(model, window)
+    spans = decoded_spans(monkeypatch)
     grads = {}
     for run in (0, 64):  # chunk by chunk; runs of two chunks (32 positions each)
         spans.clear()
@@ -92,13 +98,7 @@ def walk_in_runs(model, window: Window, keep: str, monkeypatch) -> None:
 
 def test_a_hybrid_decodes_chunk_by_chunk_where_every_entry_state_is_kept(hybrid, monkeypatch):
     window = Window.of(IDS[:-1], IDS[1:], np.ones(N))
-    spans = []
-    decode = ExactWalk.decode
-    monkeypatch.setattr(
-        ExactWalk,
-        "decode",
-        lambda self, chunk, *a, **k: spans.append(chunk.size) or decode(self, chunk, *a, **k),
-    )
+    spans = decoded_spans(monkeypatch)
     _, grads = ExactWalk(hybrid, window, WalkConfig(chunk=40)).run()
     _, one = one_graph(hybrid, window)
     assert spans == [40, 40, 40]  # stride 1: a checkpoint before every chunk
