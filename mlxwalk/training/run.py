@@ -15,7 +15,6 @@ from __future__ import annotations
 import errno
 import json
 import math
-import os
 import signal
 import tempfile
 import time
@@ -28,9 +27,17 @@ from ..errors import ConfigError, FolderError, NonFinite, RanksError
 from ..plan import MIB
 from . import data, report, samples, windows
 from .config import TrainConfig
-from .files import TMP_MARK, FolderLock, NewFolder, sweep
+from .files import FolderLock, NewFolder, sweep
 from .framework import Framework
-from .runfolder import Position, RunFolder, identity
+from .runfolder import (
+    Position,
+    RunFolder,
+    WriteFailed,
+    identity,
+    refuse_overlap,
+    try_write,
+    writable,
+)
 from .watch import Watch
 
 SKIP_LIMIT = 5  # --on-nan skip: this many non-finite windows in a row stop the run
@@ -48,52 +55,6 @@ class Epoch:
     partial: bool = False  # stopped by --iters before the epoch's end
     windows_narrowed: int = 0  # windows whose horizon the memory budget narrowed (not exact)
     smallest_horizon: int | None = None  # the narrowest horizon one of them used
-
-
-def writable(folder: Path) -> Path:
-    """The adapter folder, checked writable before any training (and not created yet, so a run
-    refused later leaves nothing behind)."""
-    probe = folder
-    while not probe.exists():
-        probe = probe.parent
-    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
-        raise FolderError(
-            f"adapter path {folder} is not writable ({probe} is not a writable folder)"
-        )
-    return folder
-
-
-class WriteFailed(FolderError):
-    """A write the run could not make (a full disk), said with what of the run is kept."""
-
-
-def try_write(folder: Path, fw: Framework) -> None:
-    """Write and remove a small file in the run's folder through the very calls that will write
-    its checkpoints (the framework's), so a folder they can't write is refused before any
-    training."""
-    probe = folder / f".write-check{TMP_MARK}{os.getpid()}.safetensors"
-    try:
-        fw.write_check(probe)
-    except (OSError, RuntimeError) as e:
-        raise FolderError(f"adapter path {folder} can't be written ({e})") from None
-    finally:
-        probe.unlink(missing_ok=True)
-
-
-def refuse_overlap(out: Path, model: Path, data_folder: Path) -> None:
-    """An adapter path that is the model's or the data's folder (or holds or sits in them)."""
-    mine = out.resolve()
-    for what, other in (("model", model), ("data", data_folder)):
-        theirs = Path(other).resolve()
-        if mine == theirs or theirs in mine.parents:
-            raise FolderError(
-                f"adapter path {out} is inside the {what} folder {other}; choose "
-                "another --adapter-path"
-            )
-        if mine in theirs.parents:
-            raise FolderError(
-                f"adapter path {out} holds the {what} folder {other}; choose another --adapter-path"
-            )
 
 
 def say(*args) -> None:

@@ -5,20 +5,27 @@ the walk, the optimizer, the data's fingerprint and the options that order and c
 first window. A fresh run refuses a folder that holds another run unless told to `--overwrite` it;
 `--resume` continues only a run whose identity matches, from that run's own checkpoints, and
 loads them strictly. Checkpoints are complete folders renamed into place (`window-NNNNNNN`).
+Before any of it, the folder is refused if it can't be written (`writable`, `try_write`) or is
+the model's or the data's (`refuse_overlap`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import FolderError
-from .files import sweep, write_text
+from .files import TMP_MARK, sweep, write_text
+
+if TYPE_CHECKING:
+    from .framework import Framework
 
 MANIFEST = "run.json"
 RUN_FILES = (
@@ -266,3 +273,49 @@ class RunFolder:
         read_state(last)
         known = {f.name for f in fields(Position)}
         return last, Position(**{k: v for k, v in state.items() if k in known})
+
+
+def writable(folder: Path) -> Path:
+    """The adapter folder, checked writable before any training (and not created yet, so a run
+    refused later leaves nothing behind)."""
+    probe = folder
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
+        raise FolderError(
+            f"adapter path {folder} is not writable ({probe} is not a writable folder)"
+        )
+    return folder
+
+
+class WriteFailed(FolderError):
+    """A write the run could not make (a full disk), said with what of the run is kept."""
+
+
+def try_write(folder: Path, fw: Framework) -> None:
+    """Write and remove a small file in the run's folder through the very calls that will write
+    its checkpoints (the framework's), so a folder they can't write is refused before any
+    training."""
+    probe = folder / f".write-check{TMP_MARK}{os.getpid()}.safetensors"
+    try:
+        fw.write_check(probe)
+    except (OSError, RuntimeError) as e:
+        raise FolderError(f"adapter path {folder} can't be written ({e})") from None
+    finally:
+        probe.unlink(missing_ok=True)
+
+
+def refuse_overlap(out: Path, model: Path, data_folder: Path) -> None:
+    """An adapter path that is the model's or the data's folder (or holds or sits in them)."""
+    mine = out.resolve()
+    for what, other in (("model", model), ("data", data_folder)):
+        theirs = Path(other).resolve()
+        if mine == theirs or theirs in mine.parents:
+            raise FolderError(
+                f"adapter path {out} is inside the {what} folder {other}; choose "
+                "another --adapter-path"
+            )
+        if mine in theirs.parents:
+            raise FolderError(
+                f"adapter path {out} holds the {what} folder {other}; choose another --adapter-path"
+            )
