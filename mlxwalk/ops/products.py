@@ -14,7 +14,9 @@ are computed in blocks, each checkpointed (walk.loss.head_loss): a product per b
 recomputed and transposed, each dequantizing the whole head (1 GiB in bf16 at Llama-3-8B's
 128,256 x 4,096) would hold several of those at once. So within `held(head)` the head is
 dequantized once and every block's product reads that copy: the head and loss hold one
-dequantized head beside the logits of one block. A tied head (the embedding read as a linear
+dequantized head beside the logits of one block. `held` yields the projection with that copy
+bound in, since a checkpointed block runs its Python again when the backward is built, after
+the block has been left. A tied head (the embedding read as a linear
 layer) keeps MLX's product.
 
 On Metal, MLX's quantized products are tiled for the matrix units and were not measured here:
@@ -23,7 +25,7 @@ On Metal, MLX's quantized products are tiled for the matrix units and were not m
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import cache
 
@@ -61,40 +63,29 @@ def dequantized_matmul(group_size: int, bits: int):
     return product
 
 
-_held: dict[int, mx.array] = {}  # id(DequantizedLinear) -> its weight, dequantized once
-
-
 class DequantizedLinear(nn.QuantizedLinear):
-    """An affine-quantized linear layer whose product is `dequantized_matmul`, or a product with
-    the weight `held` dequantized."""
+    """An affine-quantized linear layer whose product is `dequantized_matmul`."""
 
     def dequantized(self) -> mx.array:
         w = self["weight"]
         return mx.dequantize(w, self["scales"], self["biases"], self.group_size, self.bits)
 
     def __call__(self, x):
-        if (w := _held.get(id(self))) is not None:
-            y = x @ w.T  # (..., in) @ (in, out): w is a constant, its gradient never formed
-        else:
-            product = dequantized_matmul(self.group_size, self.bits)
-            y = product(x, self["weight"], self["scales"], self["biases"])
-        if "bias" in self:
-            y = y + self["bias"]
-        return y
+        product = dequantized_matmul(self.group_size, self.bits)
+        return self.biased(product(x, self["weight"], self["scales"], self["biases"]))
+
+    def biased(self, y: mx.array) -> mx.array:
+        return y + self["bias"] if "bias" in self else y
 
 
-@contextmanager
-def held(module: nn.Module) -> Iterator[None]:
-    """Within the block, a DequantizedLinear's products read one dequantization of its weight,
-    made here (lazily: the graphs built in the block hold it until they are evaluated)."""
+def held(module: nn.Module, project: Callable[[mx.array], mx.array]):
+    """`project` (the module's product), or for a DequantizedLinear a product with one
+    dequantization of its weight bound in (lazy: the graphs built with it hold it until they are
+    evaluated; it is a constant there, its gradient never formed)."""
     if type(module) is not DequantizedLinear:
-        yield
-        return
-    _held[id(module)] = module.dequantized()
-    try:
-        yield
-    finally:
-        del _held[id(module)]
+        return project
+    w = module.dequantized()
+    return lambda x: module.biased(x @ w.T)  # (..., in) @ (in, out)
 
 
 def _lm_head(model: nn.Module) -> nn.Module | None:

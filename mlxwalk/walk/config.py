@@ -46,9 +46,9 @@ class WalkConfig:
     # auto: dequantized unless a memory budget would not hold it
     head_products: str = "auto"
     # positions the exact walk's decode runs through the model at once, in whole chunks (at least
-    # one): larger products for the same store and states. None: DECODE_RUN on CUDA, where the
-    # decode evaluates a layer at a time and attention is fused (so a run's graph is one layer's
-    # at the run's width), else one chunk at a time
+    # one): larger products for the same store and states. None: DECODE_RUN on CUDA at half
+    # precision, where the decode evaluates a layer at a time and attention is fused (a run's
+    # graph is one layer's at the run's width), else one chunk at a time
     decode_run: int | None = None
 
     def check(self) -> WalkConfig:

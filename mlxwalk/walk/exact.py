@@ -195,8 +195,9 @@ class ExactWalk(ChunkRunner, ExactAlgorithm):
         """Whole chunks in `config.decode_run` positions (see WalkConfig); one with dropout,
         whose masks are drawn per chunk."""
         run = self.config.decode_run
-        if run is None:
-            run = DECODE_RUN if mx.cuda.is_available() else 0
+        if run is None:  # where attention is fused: CUDA at half precision (cuDNN)
+            fused = mx.cuda.is_available() and self.layout.dtype in (mx.float16, mx.bfloat16)
+            run = DECODE_RUN if fused else 0
         if self.seed is not None:
             return 1
         return max(1, run // self.plan.chunk)
@@ -278,6 +279,7 @@ def probe(model, config: WalkConfig, reach: int | None = None, echo=None) -> bud
         cache_type=config.cache_type,
         products=config.products,
         head_products=config.head_products,
+        decode_run=config.decode_run,
         keep_inputs=probes.kept_for(config),
     )
 

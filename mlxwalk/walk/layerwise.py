@@ -87,6 +87,7 @@ def gradient(
         )
         if ran is not None:
             done(*ran)
+            ran = None  # its taps' gradient is the sink's now: not held through this layer
         layers.timed("backward", call.cache, [g_params, dy, g_taps])
         ran = (index[id(call.cache)], g_taps)
         collect(call.layer, g_params)

@@ -32,19 +32,15 @@ def head_loss(head: arch.Head, h: mx.array, targets, weights, total: float) -> m
     graph for a large vocabulary) are never all alive, in the forward or in the backward, at
     the price of one more output projection. A dequantized head is dequantized once for all
     of them (ops.products.held)."""
-    with products.held(head.module):
-        return _blocks_loss(head, h, targets, weights, total)
-
-
-def _blocks_loss(head: arch.Head, h: mx.array, targets, weights, total: float) -> mx.array:
+    project = products.held(head.module, head.project)
     n = h.shape[1]
     if n <= LOSS_BLOCK:
-        return weighted_loss(head.project(h), targets, weights, total)
+        return weighted_loss(project(h), targets, weights, total)
 
     def block_loss(b: slice) -> mx.array:
         def loss(params, hb):  # targets and weights are constants: closed over
             head.module.update(params)  # a checkpoint takes closed-over arrays as constants
-            return weighted_loss(head.project(hb), targets[:, b], weights[:, b], total)
+            return weighted_loss(project(hb), targets[:, b], weights[:, b], total)
 
         return mx.checkpoint(loss)(head.module.trainable_parameters(), h[:, b])
 

@@ -37,8 +37,8 @@ def kept_for(config) -> str:
 
 def probe_key(model, config) -> tuple:
     """Everything that changes a probe's result: the model object, the chunk, recompute, the
-    attention path, the store's type, the base's products, kept inputs, and the trainable
-    parameters (which adapters, at which shapes and dtypes)."""
+    attention path, the store's type, the base's and the head's products, the decode's runs,
+    kept inputs, and the trainable parameters (which adapters, at which shapes and dtypes)."""
     trainable = tuple(
         (k, tuple(v.shape), str(v.dtype)) for k, v in tree_flatten(model.trainable_parameters())
     )
@@ -50,6 +50,7 @@ def probe_key(model, config) -> tuple:
         config.cache_type,
         config.products,
         config.head_products,
+        config.decode_run,
         kept_for(config),
         hash(trainable),
     )
