@@ -12,12 +12,12 @@ graph holds grows. The same weights, the same products: only the rounding of the
 An untied lm head (vocabulary x hidden) is swapped too unless `head` is False. Its logits
 are computed in blocks, each checkpointed (walk.loss.head_loss): a product per block, forward,
 recomputed and transposed, each dequantizing the whole head (1 GiB in bf16 at Llama-3-8B's
-128,256 x 4,096) would hold several of those at once. So within `held(head)` the head is
-dequantized once and every block's product reads that copy: the head and loss hold one
-dequantized head beside the logits of one block. `held` yields the projection with that copy
-bound in, since a checkpointed block runs its Python again when the backward is built, after
-the block has been left. A tied head (the embedding read as a linear
-layer) keeps MLX's product.
+128,256 x 4,096) would hold several of those at once. So `held(head, project)` dequantizes it
+once and returns the projection with that copy bound in, which every block's forward, recompute
+and gradient call (a checkpointed block runs its Python again when the backward is built, so the
+copy must travel in the function, not in a context): the head and loss hold one dequantized head
+beside the logits of one block. A tied head (the embedding read as a linear layer) keeps MLX's
+product.
 
 On Metal, MLX's quantized products are tiled for the matrix units and were not measured here:
 `auto` keeps them there.
