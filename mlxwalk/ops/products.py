@@ -33,7 +33,7 @@ import mlx.core as mx
 from mlx import nn
 
 PRODUCTS = ("auto", "quantized", "dequantized")
-HEAD_PRODUCTS = PRODUCTS  # the same choices for an untied lm head (WalkConfig.head_products)
+HEAD_PRODUCTS = ("auto", "quantized", "dequantized")  # an untied lm head's (WalkConfig)
 
 
 def resolve(products: str) -> str:

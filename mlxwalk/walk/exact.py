@@ -32,9 +32,10 @@ class ExactWalk(ChunkRunner, ExactAlgorithm):
         self.checkpoints: dict[int, State] = {}
         self.kept: dict[int, list[mx.array]] = {}  # per decoded chunk, its layers' inputs
         self.keep = self.keep_mode()  # "all", "stem" or "off": which layer inputs are kept
-        # an untied quantized head's products: auto is dequantized, where there is such a head,
-        # until a budget says otherwise
-        auto = "dequantized" if head_swapped(model, self.config.products) else "quantized"
+        # an untied quantized head's products: auto is dequantized until a budget says otherwise
+        # ("as is": no head the walk would dequantize)
+        swappable = head_swapped(model, self.config.products)
+        auto = "dequantized" if swappable else "as is"
         self.head_products = {"auto": auto}.get(c := self.config.head_products, c)
         self.horizon_used = self.config.horizon  # narrowed per chunk if the memory budget asks
         self.remedies = (
@@ -108,7 +109,8 @@ class ExactWalk(ChunkRunner, ExactAlgorithm):
     def probed(self) -> WalkConfig:
         """The config a probe measures: the run's, with the head's products as this walk has
         them."""
-        return replace(self.config, head_products=self.head_products)
+        head = "auto" if self.head_products == "as is" else self.head_products
+        return replace(self.config, head_products=head)
 
     def refuse_floor(self, device: int) -> None:
         """A budget below what the walk holds before any graph (the weights, the adapter, the
