@@ -26,7 +26,7 @@ import numpy as np
 
 from mlxwalk import bench, use_openblas
 from mlxwalk.plan import MIB, OutOfMemory
-from mlxwalk.walk import ExactWalk, WalkConfig, Window, arch, taps
+from mlxwalk.walk import ExactWalk, WalkConfig, Window, arch, probe, taps
 from mlxwalk.walk.guards import check_finite
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -149,6 +149,20 @@ def mlx_lm_row(model, window: int, repeats: int) -> dict:
     }
 
 
+def mlx_lm_rows(model, windows: list[int], when: str, rows: list) -> None:
+    """mlx-lm's rows, run both before and after the walks so that a drift of the machine over
+    the call shows in its own numbers."""
+    for w in windows:
+        r = mlx_lm_row(model, w, 3)
+        r["when"] = when
+        rows.append(r)
+        print(
+            f"mlx-lm+ckpt at {w} ({when}): {r['seconds']} s, {r['tok_s']} tokens/s, "
+            f"peak {r['peak_gib']} GiB",
+            flush=True,
+        )
+
+
 def watch_phases(walk) -> dict:
     """The peak of each phase (the decode, then each reverse chunk), recorded as the walk runs."""
     phases: dict = {}
@@ -219,6 +233,14 @@ def main() -> None:
         help="one row per budget for each: layers evaluated one in flight while the next is "
         "built (walk/taps.py PIPELINE), or each waited for",
     )
+    p.add_argument(
+        "--probe-share",
+        type=float,
+        nargs="+",
+        default=[probe.LONG_SHARE],
+        help="one row per budget for each: the share of the run's prefix the probe reads on "
+        "CUDA (walk/probe.py LONG_SHARE)",
+    )
     p.add_argument("--profile", action="store_true", help="seconds per phase and layer kind")
     p.add_argument(
         "--mlx-lm-windows",
@@ -251,17 +273,22 @@ def main() -> None:
         "stride | seconds |\n|---:|---|---:|---:|---:|---:|---:|---:|",
         flush=True,
     )
+    mlx_lm_rows(model, a.mlx_lm_windows, "before the walks", rows)
     runs = [
-        (at, pr, hd, dr, pl, g)
+        (at, pr, hd, dr, pl, sh, g)
         for at in a.attention
         for pr in a.products
         for hd in a.head_products
         for dr in a.decode_runs
         for pl in a.pipeline
+        for sh in a.probe_share
         for g in a.budgets_gib
     ]
-    for attention, products, head, decode_run, pipeline, gib in runs:
+    for attention, products, head, decode_run, pipeline, share, gib in runs:
         taps.PIPELINE = pipeline == "on"
+        if share != probe.LONG_SHARE:  # a probe read over another share is not this row's
+            probe.LONG_SHARE = share
+            probe._probes.clear()
         config = WalkConfig(
             chunk=a.chunk,
             cache_type=a.cache_type,
@@ -275,12 +302,13 @@ def main() -> None:
         )
         print(
             f"attention {attention}, products {products}, head {head}, decode run {decode_run}, "
-            f"pipeline {pipeline}:",
+            f"pipeline {pipeline}, probe share {share}:",
             flush=True,
         )
         r = one(model, optimizer, window, config, a.profile)
         r.update(attention=attention, products=products, head=head, decode_run=decode_run)
         r["pipeline"] = pipeline
+        r["probe_share"] = share
         rows.append(r)
         if r["verdict"] == "refused":
             print(
@@ -308,14 +336,7 @@ def main() -> None:
             )
             if a.profile:
                 print("\n".join(profile_lines(r)), flush=True)
-    for w in a.mlx_lm_windows:
-        r = mlx_lm_row(model, w, 2)
-        rows.append(r)
-        print(
-            f"mlx-lm+ckpt at {w}: {r['seconds']} s, {r['tok_s']} tokens/s, "
-            f"peak {r['peak_gib']} GiB",
-            flush=True,
-        )
+    mlx_lm_rows(model, a.mlx_lm_windows, "after the walks", rows)
     if out := os.environ.get("OUT"):
         (Path(out) / "budget.json").write_text(json.dumps(rows, indent=2))
 

@@ -22,6 +22,8 @@ stopped (`--stop-after N` stops after N epochs in all, as a session's end would)
 
     scripts/recall-curriculum.py --stages 256 512 1024 2048 4096 --chunk 128 [--seeds 3]
         [--trainers one-graph,exact,plain,peer] [--out runs/recall-curriculum] [--resume]
+    scripts/recall-curriculum.py ... --seed N      one seed only, to run seeds side by side
+        (one process each, the same --out); then `--resume` over all of them prints the table
     scripts/recall-curriculum.py --quick           a smoke run of seconds
 """
 
@@ -203,7 +205,7 @@ def run(a) -> dict:
     """Per seed: the driver first, then every other trainer on its schedule."""
     budget = [a.stop_after if a.stop_after is not None else -1]
     runs: dict = {}
-    for seed in range(a.seeds):
+    for seed in [a.seed] if a.seed is not None else range(a.seeds):
         order = [a.driver] + [t for t in a.trainers if t != a.driver]
         schedule = None
         for trainer in order:
@@ -224,8 +226,9 @@ def summary(a, runs: dict) -> list[dict]:
         for trainer in a.trainers:
             got = [
                 s
-                for seed in range(a.seeds)
-                for s in runs.get(f"{trainer}/{seed}", {}).get("stages", [])
+                for key, run in runs.items()
+                if key.split("/")[0] == trainer
+                for s in run.get("stages", [])
                 if s["window"] == window
             ]
             if not got:
@@ -274,7 +277,8 @@ def arguments(argv: list[str] | None):
     p.add_argument("--max-epochs", type=int, default=8, help="epochs the driver gives a stage")
     p.add_argument("--driver", default="one-graph", choices=bench.TRAINERS[:2])
     p.add_argument("--trainers", default="one-graph,exact,plain")
-    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--seeds", type=int, help="seeds 0 .. N-1, one after another (default 3)")
+    p.add_argument("--seed", type=int, help="run this seed only (seeds run side by side)")
     p.add_argument("--train", type=int, default=1000, help="training conversations a stage")
     p.add_argument("--valid", type=int, default=256, help="held-out conversations a stage")
     p.add_argument("--decoys", type=float, default=recall.DECOY_RATE)
@@ -292,8 +296,9 @@ def arguments(argv: list[str] | None):
     p.add_argument("--quick", action="store_true", help="a smoke run of seconds")
     a = p.parse_args(argv)
     if a.quick:
-        a.stages, a.chunk, a.seeds, a.train, a.valid = [128, 256], 32, 1, 6, 6
+        a.stages, a.chunk, a.train, a.valid = [128, 256], 32, 6, 6
         a.width, a.layers, a.warmup = 32, 1, 2
+    a.seeds = a.seeds or (1 if a.quick else 3)
     a.trainers = a.trainers.split(",")
     if unknown := set(a.trainers) - set(bench.TRAINERS):
         p.error(f"--trainers: unknown {sorted(unknown)}; choose from {', '.join(bench.TRAINERS)}")
@@ -315,11 +320,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"stopped after {a.stop_after} epochs; --resume continues", flush=True)
         return STOPPED
     rows = summary(a, runs)
+    seeds = sorted({int(key.split("/")[1]) for key in runs})
     for r in rows:
         r["chunks"] = r["window"] // a.chunk
     print(
         f"\nrecall by curriculum: stages {a.stages}, chunk {a.chunk}, driver {a.driver} "
-        f"(advance at {a.advance}, at most {a.max_epochs} epochs a stage), {a.seeds} seeds, "
+        f"(advance at {a.advance}, at most {a.max_epochs} epochs a stage), seeds {seeds}, "
         f"qwen2 {a.layers}x{a.width}, rope base {a.rope_theta:g}, chance "
         f"{1 / len(recall.CODES):.3f}; {time.perf_counter() - start:.0f} s"
     )
@@ -329,8 +335,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{key}: {progress['ended']}")
     settings = {k: v for k, v in vars(a).items() if k not in ("resume", "stop_after")}
     out = {"settings": settings, "runs": runs, "summary": rows}
-    files.write_text(Path(a.out) / "curriculum.json", json.dumps(out, indent=1))
-    print(f"JSON: {Path(a.out) / 'curriculum.json'}")
+    name = "curriculum.json" if a.seed is None else f"curriculum-seed{a.seed}.json"
+    files.write_text(Path(a.out) / name, json.dumps(out, indent=1))
+    print(f"JSON: {Path(a.out) / name}")
     return 0
 
 

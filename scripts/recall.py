@@ -94,11 +94,16 @@ def window_of(data: dict, i: int) -> Window:
     return Window.of(*(data[k][i] for k in ("inputs", "targets", "weights")))
 
 
+EVAL_POSITIONS = 32768  # positions one held-out forward holds at once
+
+
 def evaluate(model, data: dict, batch: int = 32) -> tuple[float, float, float]:
     """Held-out (accuracy, answer loss, the share of answers that are a stated letter): one
     forward over each batch of windows; only the answer's column (the last) of the logits is
-    kept."""
+    kept. A batch holds at most EVAL_POSITIONS positions (one graph's scores at 16K, 32 windows
+    at once, overran an H200)."""
     logits = []
+    batch = max(1, min(batch, EVAL_POSITIONS // data["inputs"].shape[1]))
     for i in range(0, len(data["inputs"]), batch):
         out = model(mx.array(data["inputs"][i : i + batch]))[:, -1:]  # (b, 1, vocab)
         mx.eval(out)

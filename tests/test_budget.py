@@ -109,3 +109,13 @@ def test_the_probe_is_keyed_by_everything_that_changes_it(qwen2):
     assert probes.probe_key(qwen2, WalkConfig(chunk=256, recompute=True, keep_inputs="off")) != kept
     qwen2.layers[0].self_attn.q_proj.lora_a = qwen2.layers[0].self_attn.q_proj.lora_a[:, :4]
     assert probes.probe_key(qwen2, base) != key  # another adapter shape
+
+
+def test_a_long_probe_reads_its_share_of_the_prefix_in_whole_chunks(monkeypatch):
+    chunk, reach = 2048, 31 * 2048  # the 8B window's last chunk reads 31 chunks
+    short = probes.prefix_for(chunk, reach, long=False)
+    assert short == chunk * -(-2 * probes.TILE // chunk)  # two attention tiles
+    assert probes.prefix_for(chunk, reach, long=True) == 15 * chunk  # half, rounded down
+    monkeypatch.setattr(probes, "LONG_SHARE", 1.0)
+    assert probes.prefix_for(chunk, reach, long=True) == reach
+    assert probes.prefix_for(chunk, 2 * chunk, long=True) == 2 * chunk  # never past the reach

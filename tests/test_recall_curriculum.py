@@ -50,3 +50,18 @@ def test_a_stopped_run_resumes_to_the_same_numbers(tmp_path):
     for key in want:
         for (w0, e0, a0, l0), (w1, e1, a1, l1) in zip(want[key], got[key], strict=True):
             assert (w0, e0, a0) == (w1, e1, a1) and abs(l0 - l1) <= 1e-6 * abs(l0), key
+
+
+def test_seeds_run_side_by_side_give_the_table_of_one_run(tmp_path):
+    together, apart = tmp_path / "together", tmp_path / "apart"
+    quick = ("--advance", "0", "--max-epochs", "1", "--seeds", "2")
+    assert curriculum(together, *quick).returncode == 0
+    for seed in ("1", "0"):  # either order: each seed's state is its own
+        alone = curriculum(apart, *quick, "--seed", seed)
+        assert alone.returncode == 0, alone.stderr[-2000:]
+        assert f"one-graph seed {1 - int(seed)} " not in alone.stdout
+        assert (apart / f"curriculum-seed{seed}.json").exists()
+    table = curriculum(apart, *quick, "--resume")
+    assert table.returncode == 0 and " epoch " not in table.stdout  # nothing left to train
+    assert scores(together) == scores(apart)
+    assert "| 2 | 1.0 |" in table.stdout  # two seeds a row

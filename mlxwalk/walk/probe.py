@@ -56,17 +56,22 @@ def probe_key(model, config) -> tuple:
     )
 
 
+LONG_SHARE = 0.5  # the share of the run's reach a long probe reads (1: the whole prefix)
+
+
 def prefix_for(chunk: int, reach: int, long: bool | None = None) -> int:
     """The prefix the probe's longer walks read: two attention tiles, rounded up to whole
     chunks, or the run's longest prefix `reach` (in whole chunks) when that is shorter. `long`
     (default: on CUDA) reads at least half the run's reach: there a graph's peak holds buffers
     the backend has freed but not yet reclaimed, which grow faster with the prefix than the
     live set does, so a short prefix's slope under-reads a long one (the 27B-shaped hybrid:
-    estimated 37.9 GiB, peaked 50.45, docs/BENCHMARKS.md)."""
+    estimated 37.9 GiB, peaked 50.45, docs/BENCHMARKS.md). LONG_SHARE sets how much: half
+    under-reads the 8B shape's first reverse chunks by 2.3 GiB (a step in the peak past a 43K
+    prefix, docs/BENCHMARKS.md), which the whole prefix would see at twice the probe's time."""
     long = mx.cuda.is_available() if long is None else long
     far = chunk * -(-2 * TILE // chunk)
     if long:
-        far = max(far, reach // 2)
+        far = max(far, int(reach * LONG_SHARE))
     return min(far, reach) // chunk * chunk
 
 
