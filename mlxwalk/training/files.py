@@ -73,12 +73,14 @@ def load_safetensors(path: Path) -> dict:
     one)."""
     import mlx.core as mx
 
-    with open(path, "rb") as f:
-        try:
-            return mx.load(f, format="safetensors")
-        except (RuntimeError, ValueError) as e:
-            why = str(e).split("] ", 1)[-1]
-            raise ModelError(f"{path} is not a readable safetensors file ({why})") from None
+    # by its name, not a Python file object: MLX then reads it in C++. Read through a file
+    # object, the lazy loads' tasks take the GIL on MLX's own threads, and one disposed as the
+    # interpreter exits (a refusal before the arrays were used) aborted the process.
+    try:
+        return mx.load(str(path), format="safetensors")
+    except (RuntimeError, ValueError) as e:
+        why = str(e).split("] ", 1)[-1]
+        raise ModelError(f"{path} is not a readable safetensors file ({why})") from None
 
 
 def load_json(path: Path) -> dict:
