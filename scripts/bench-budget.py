@@ -64,6 +64,7 @@ def one(model, optimizer, window: Window, config: WalkConfig, profile: bool = Fa
     seconds = time.perf_counter() - t
     stepped = time.perf_counter() - ran  # the window's step: the walk and the update, no probe
     phase_seconds = phases.pop("seconds")
+    active = phases.pop("active after")
     peak = max(mx.get_peak_memory(), max(phases.values()) * GIB)
     return {
         **row,
@@ -91,6 +92,7 @@ def one(model, optimizer, window: Window, config: WalkConfig, profile: bool = Fa
         "tok_s": round(len(window) / seconds),
         "phases_gib": phases,
         "phase_seconds": phase_seconds,
+        "active_after_gib": active,
         "walk_seconds": round(stepped, 1),
         "layer_seconds": layers and {k: round(v, 2) for k, v in layers.items()},
     }
@@ -167,6 +169,7 @@ def watch_phases(walk) -> dict:
     """The peak of each phase (the decode, then each reverse chunk), recorded as the walk runs."""
     phases: dict = {}
     seconds = phases.setdefault("seconds", {})
+    active = phases.setdefault("active after", {})  # what stays allocated past each chunk
     decode, train_chunk = walk.decode_forward, walk.train_chunk
 
     def timed_decode():
@@ -183,6 +186,7 @@ def watch_phases(walk) -> dict:
         out = train_chunk(chunk, *args)
         phases[f"chunk {chunk.index}"] = round(mx.get_peak_memory() / GIB, 2)
         seconds[f"chunk {chunk.index}"] = round(time.perf_counter() - t, 2)
+        active[f"chunk {chunk.index}"] = round(mx.get_active_memory() / GIB, 2)
         return out
 
     walk.decode_forward, walk.train_chunk = timed_decode, timed_chunk
@@ -331,7 +335,8 @@ def main() -> None:
             print(
                 f"  estimate at the horizon used: {r['estimate_used_gib']} GiB; parts "
                 f"{r['parts_gib']}\n  peaks by phase (GiB): {r['phases_gib']}\n  seconds by "
-                f"phase: {r['phase_seconds']}",
+                f"phase: {r['phase_seconds']}\n  active after each chunk (GiB): "
+                f"{r['active_after_gib']}",
                 flush=True,
             )
             if a.profile:
