@@ -22,8 +22,9 @@ stopped (`--stop-after N` stops after N epochs in all, as a session's end would)
 
     scripts/recall-curriculum.py --stages 256 512 1024 2048 4096 --chunk 128 [--seeds 3]
         [--trainers one-graph,exact,plain,peer] [--out runs/recall-curriculum] [--resume]
-    scripts/recall-curriculum.py ... --seed N      one seed only, to run seeds side by side
-        (one process each, the same --out); then `--resume` over all of them prints the table
+    scripts/recall-curriculum.py ... --parallel [--stop-after-s 500] [--resume]
+        each seed in its own process (`--seed N`, the same --out), then the table; with
+        --stop-after-s each stops before an epoch that would end past the limit
     scripts/recall-curriculum.py --quick           a smoke run of seconds
 """
 
@@ -56,7 +57,31 @@ STOPPED = 3  # the exit status of a run stopped by --stop-after
 
 
 class Stop(Exception):
-    """--stop-after's count of epochs reached: every state is saved."""
+    """--stop-after's epochs or --stop-after-s's seconds reached: every state is saved."""
+
+
+class Budget:
+    """What is left before the run stops: --stop-after's epochs, and --stop-after-s's seconds,
+    an epoch not started when it would end past them (its length predicted from the trainer's
+    last epoch, per position)."""
+
+    def __init__(self, epochs: int | None, seconds: float | None):
+        self.epochs = epochs
+        self.deadline = None if seconds is None else time.perf_counter() + seconds
+        self.rate: dict[str, float] = {}  # per trainer and seed: seconds a training position
+
+    def allows(self, who: str, positions: int) -> bool:
+        if self.epochs == 0:
+            return False
+        if self.deadline is None:
+            return True
+        now = time.perf_counter()
+        return now < self.deadline and now + self.rate.get(who, 0.0) * positions <= self.deadline
+
+    def spent(self, who: str, positions: int, seconds: float) -> None:
+        if self.epochs is not None:
+            self.epochs -= 1
+        self.rate[who] = seconds / positions
 
 
 def stage_data(a, seed: int, stage: int, window: int) -> tuple[dict, dict]:
@@ -137,10 +162,10 @@ def probe_peak(a, trainer: str, window: int, data: dict) -> float:
     return mx.get_peak_memory() / 2**20
 
 
-def train(a, trainee: Trainee, schedule: list[int] | None, budget: list[int]) -> list[int]:
+def train(a, trainee: Trainee, schedule: list[int] | None, budget: Budget) -> list[int]:
     """Train `trainee` from where it stands. `schedule`: the epochs per stage to follow (None:
-    it is the driver and makes one). Returns the schedule it followed. `budget`: epochs left
-    before --stop-after (a one-element list, shared)."""
+    it is the driver and makes one). Returns the schedule it followed. `budget`: what is left
+    before the run stops (shared by the trainers)."""
     p = trainee.progress
     made = [s["epochs"] for s in p["stages"]]
     for stage in range(len(p["stages"]), len(a.stages)):
@@ -154,12 +179,13 @@ def train(a, trainee: Trainee, schedule: list[int] | None, budget: list[int]) ->
                 p["done"], p["ended"] = True, f"over the cap at {window}: {peak:.0f} MiB"
                 trainee.save()
                 break
+        who, positions = f"{trainee.trainer}/{trainee.seed}", window * len(train_set["inputs"])
         while True:
-            if budget[0] == 0:
+            if not budget.allows(who, positions):
                 raise Stop
             row = trainee.epoch(stage, train_set, valid_set)
             p["epochs"].append(row)
-            budget[0] -= 1
+            budget.spent(who, positions, row["seconds"])
             epochs = len(p["epochs"])
             print(
                 f"  {trainee.trainer} seed {trainee.seed} window {window} epoch {epochs}: "
@@ -203,7 +229,7 @@ def stage_row(window: int, epochs: list[dict], passed: bool | None) -> dict:
 
 def run(a) -> dict:
     """Per seed: the driver first, then every other trainer on its schedule."""
-    budget = [a.stop_after if a.stop_after is not None else -1]
+    budget = Budget(a.stop_after, a.stop_after_s)
     runs: dict = {}
     for seed in [a.seed] if a.seed is not None else range(a.seeds):
         order = [a.driver] + [t for t in a.trainers if t != a.driver]
@@ -293,6 +319,16 @@ def arguments(argv: list[str] | None):
     p.add_argument("--out", default="runs/recall-curriculum")
     p.add_argument("--resume", action="store_true", help="continue every trainer from --out")
     p.add_argument("--stop-after", type=int, help="stop after this many epochs in all")
+    p.add_argument(
+        "--stop-after-s",
+        type=float,
+        help="stop before an epoch that would end past this many seconds (a call's limit)",
+    )
+    p.add_argument(
+        "--parallel",
+        action="store_true",
+        help="each seed in its own process, side by side (logs: OUT/seedN.log), then the table",
+    )
     p.add_argument("--quick", action="store_true", help="a smoke run of seconds")
     a = p.parse_args(argv)
     if a.quick:
@@ -306,18 +342,49 @@ def arguments(argv: list[str] | None):
         p.error(f"--driver {a.driver} is not among --trainers")
     if "peer" in a.trainers and (reason := bench.prepare_peer(a)):
         p.error(f"--trainers peer: {reason}")
+    if a.parallel and a.seed is not None:
+        p.error("--parallel runs every seed: give --seeds, not --seed")
     if any(w % a.chunk for w in a.stages):
         p.error(f"--stages: every window must be a multiple of --chunk ({a.chunk})")
     return a
 
 
+def side_by_side(a, argv: list[str]) -> int:
+    """--parallel: one process per seed (`--seed N`, the same --out), waited for; 0 when every
+    seed has finished, STOPPED when one stopped, 1 when one failed."""
+    import subprocess
+
+    args = [x for x in argv if x != "--parallel"]
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    procs = {}
+    for seed in range(a.seeds):
+        log = open(Path(a.out) / f"seed{seed}.log", "w")  # noqa: SIM115 (closed below)
+        cmd = [sys.executable, __file__, *args, "--seed", str(seed)]
+        procs[seed] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log)
+    worst = 0
+    for seed, (proc, log) in procs.items():
+        code = proc.wait()
+        log.close()
+        if code not in (0, STOPPED):
+            tail = (Path(a.out) / f"seed{seed}.log").read_text().splitlines()[-5:]
+            print(f"seed {seed} failed ({code}):\n" + "\n".join(tail), flush=True)
+        worst = max(worst, {0: 0, STOPPED: 1}.get(code, 2))
+    return [0, STOPPED, 1][worst]
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     a = arguments(argv)
     start = time.perf_counter()
+    if a.parallel:
+        if (code := side_by_side(a, argv)) != 0:
+            print("a seed stopped or failed; --resume continues", flush=True)
+            return code
+        a.resume = True  # every seed is done: the table from their states
     try:
         runs = run(a)
     except Stop:
-        print(f"stopped after {a.stop_after} epochs; --resume continues", flush=True)
+        print("stopped (--stop-after or --stop-after-s); --resume continues", flush=True)
         return STOPPED
     rows = summary(a, runs)
     seeds = sorted({int(key.split("/")[1]) for key in runs})
@@ -333,7 +400,11 @@ def main(argv: list[str] | None = None) -> int:
     for key, progress in runs.items():
         if progress.get("ended"):
             print(f"{key}: {progress['ended']}")
-    settings = {k: v for k, v in vars(a).items() if k not in ("resume", "stop_after")}
+    settings = {
+        k: v
+        for k, v in vars(a).items()
+        if k not in ("resume", "stop_after", "stop_after_s", "parallel", "seed")
+    }
     out = {"settings": settings, "runs": runs, "summary": rows}
     name = "curriculum.json" if a.seed is None else f"curriculum-seed{a.seed}.json"
     files.write_text(Path(a.out) / name, json.dumps(out, indent=1))

@@ -65,3 +65,28 @@ def test_seeds_run_side_by_side_give_the_table_of_one_run(tmp_path):
     assert table.returncode == 0 and " epoch " not in table.stdout  # nothing left to train
     assert scores(together) == scores(apart)
     assert "| 2 | 1.0 |" in table.stdout  # two seeds a row
+
+
+def test_parallel_seeds_give_the_table_of_one_run(tmp_path):
+    together, apart = tmp_path / "together", tmp_path / "apart"
+    quick = ("--advance", "0", "--max-epochs", "1", "--seeds", "2")
+    one = curriculum(together, *quick)
+    both = curriculum(apart, *quick, "--parallel")
+    assert both.returncode == 0, both.stdout[-2000:] + both.stderr[-2000:]
+    assert "one-graph seed 1 window 256" in (apart / "seed1.log").read_text()
+    assert scores(together) == scores(apart)
+
+    def rows(out: str) -> list[list[str]]:  # up to the answer loss: seconds differ
+        table = [line for line in out.splitlines() if line[:3].strip("| ").isdigit()]
+        return [line.split("|")[1:10] for line in table]
+
+    assert rows(both.stdout) == rows(one.stdout) and len(rows(one.stdout)) == 6
+
+
+def test_a_time_limit_stops_before_an_epoch_and_resumes(tmp_path):
+    quick = ("--advance", "0", "--max-epochs", "1")
+    stopped = curriculum(tmp_path, *quick, "--stop-after-s", "0")
+    assert stopped.returncode == 3 and "--resume continues" in stopped.stdout
+    assert " epoch " not in stopped.stdout  # none started past the limit
+    resumed = curriculum(tmp_path, *quick, "--resume", "--stop-after-s", "600")
+    assert resumed.returncode == 0 and "one-graph seed 0 window 256 epoch 1" in resumed.stdout
