@@ -54,6 +54,9 @@ from mlxwalk.training import files  # noqa: E402
 from mlxwalk.walk import WalkConfig  # noqa: E402
 
 STOPPED = 3  # the exit status of a run stopped by --stop-after
+# an epoch's predicted seconds over its training loop's per position at the last window: the
+# held-out pass and the saves besides, and a longer window's attention
+MARGIN = 1.5
 
 
 class Stop(Exception):
@@ -81,7 +84,17 @@ class Budget:
     def spent(self, who: str, positions: int, seconds: float) -> None:
         if self.epochs is not None:
             self.epochs -= 1
-        self.rate[who] = seconds / positions
+        self.rate[who] = MARGIN * seconds / positions
+
+    def resumed(self, who: str, progress: dict, a) -> None:
+        """The rate of a trainer's last saved epoch, for its first epoch after --resume."""
+        if progress["epochs"]:
+            last, window = progress["epochs"][-1], a.stages[len(progress["stages"])]
+        elif progress["stages"]:
+            last, window = progress["stages"][-1]["per_epoch"][-1], progress["stages"][-1]["window"]
+        else:
+            return
+        self.rate.setdefault(who, MARGIN * last["seconds"] / (window * a.train))
 
 
 def stage_data(a, seed: int, stage: int, window: int) -> tuple[dict, dict]:
@@ -180,6 +193,7 @@ def train(a, trainee: Trainee, schedule: list[int] | None, budget: Budget) -> li
                 trainee.save()
                 break
         who, positions = f"{trainee.trainer}/{trainee.seed}", window * len(train_set["inputs"])
+        budget.resumed(who, p, a)
         while True:
             if not budget.allows(who, positions):
                 raise Stop
@@ -296,7 +310,9 @@ def table(rows: list[dict]) -> str:
 
 
 def arguments(argv: list[str] | None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter, allow_abbrev=False
+    )
     p.add_argument("--stages", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096])
     p.add_argument("--chunk", type=int, default=128)
     p.add_argument("--advance", type=float, default=0.9, help="held-out accuracy to move on")
@@ -318,7 +334,11 @@ def arguments(argv: list[str] | None):
     p.add_argument("--cap-gib", type=float, help="a trainer whose step peaks over it stops")
     p.add_argument("--out", default="runs/recall-curriculum")
     p.add_argument("--resume", action="store_true", help="continue every trainer from --out")
-    p.add_argument("--stop-after", type=int, help="stop after this many epochs in all")
+    p.add_argument(
+        "--stop-after",
+        type=int,
+        help="stop after this many epochs in all (per seed with --parallel)",
+    )
     p.add_argument(
         "--stop-after-s",
         type=float,
@@ -334,7 +354,8 @@ def arguments(argv: list[str] | None):
     if a.quick:
         a.stages, a.chunk, a.train, a.valid = [128, 256], 32, 6, 6
         a.width, a.layers, a.warmup = 32, 1, 2
-    a.seeds = a.seeds or (1 if a.quick else 3)
+    if a.seeds is None:
+        a.seeds = 1 if a.quick else 3
     a.trainers = a.trainers.split(",")
     if unknown := set(a.trainers) - set(bench.TRAINERS):
         p.error(f"--trainers: unknown {sorted(unknown)}; choose from {', '.join(bench.TRAINERS)}")

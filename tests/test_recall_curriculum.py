@@ -90,3 +90,19 @@ def test_a_time_limit_stops_before_an_epoch_and_resumes(tmp_path):
     assert " epoch " not in stopped.stdout  # none started past the limit
     resumed = curriculum(tmp_path, *quick, "--resume", "--stop-after-s", "600")
     assert resumed.returncode == 0 and "one-graph seed 0 window 256 epoch 1" in resumed.stdout
+
+
+def test_a_resumed_trainer_predicts_its_next_epoch_from_its_saved_one():
+    import importlib.util
+    import types
+
+    spec = importlib.util.spec_from_file_location("curriculum", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    budget = script.Budget(None, 100.0)
+    a = types.SimpleNamespace(stages=[128, 256], train=10)
+    saved = {"epochs": [], "stages": [{"window": 128, "per_epoch": [{"seconds": 60.0}]}]}
+    assert budget.allows("exact/0", 256 * 10)  # nothing known: it starts
+    budget.resumed("exact/0", saved, a)  # 60 s for 1,280 positions, with the margin
+    assert not budget.allows("exact/0", 256 * 10)  # 180 s > 100 s left
+    assert budget.allows("exact/0", 128 * 10)  # 90 s

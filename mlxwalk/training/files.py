@@ -73,14 +73,31 @@ def load_safetensors(path: Path) -> dict:
     one)."""
     import mlx.core as mx
 
-    # by its name, not a Python file object: MLX then reads it in C++. Read through a file
-    # object, the lazy loads' tasks take the GIL on MLX's own threads, and one disposed as the
-    # interpreter exits (a refusal before the arrays were used) aborted the process.
+    # Not through a Python file object: then each array's load is a task on MLX's threads that
+    # holds the reader, a Python object, and one disposed as the interpreter exits (a refusal
+    # after loading) takes the GIL there and aborts the process. By a name MLX reads in C++, one
+    # that is ASCII whatever the path (see above): the open file's own.
     try:
-        return mx.load(str(path), format="safetensors")
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as e:
+        raise ModelError(f"{path} is not a readable safetensors file ({e.strerror})") from None
+    try:
+        arrays = mx.load(open_name(fd, path), format="safetensors")
+        mx.eval(arrays)  # read while the name is open
     except (RuntimeError, ValueError) as e:
         why = str(e).split("] ", 1)[-1]
         raise ModelError(f"{path} is not a readable safetensors file ({why})") from None
+    finally:
+        os.close(fd)
+    return arrays
+
+
+def open_name(fd: int, path: Path) -> str:
+    """A name of the open file `fd` (Linux's /proc/self/fd, macOS's /dev/fd), else its path."""
+    for folder in ("/proc/self/fd", "/dev/fd"):
+        if os.path.isdir(folder):
+            return f"{folder}/{fd}"
+    return str(path)
 
 
 def load_json(path: Path) -> dict:
