@@ -292,7 +292,7 @@ def main() -> None:
         taps.PIPELINE = pipeline == "on"
         if share != probe.LONG_SHARE:  # a probe read over another share is not this row's
             probe.LONG_SHARE = share
-            probe._probes.clear()
+            probe.forget()
         config = WalkConfig(
             chunk=a.chunk,
             cache_type=a.cache_type,

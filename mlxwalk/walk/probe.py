@@ -66,13 +66,19 @@ def prefix_for(chunk: int, reach: int, long: bool | None = None) -> int:
     the backend has freed but not yet reclaimed, which grow faster with the prefix than the
     live set does, so a short prefix's slope under-reads a long one (the 27B-shaped hybrid:
     estimated 37.9 GiB, peaked 50.45, docs/BENCHMARKS.md). LONG_SHARE sets how much: half
-    under-reads the 8B shape's first reverse chunks by 2.3 GiB (a step in the peak past a 43K
-    prefix, docs/BENCHMARKS.md), which the whole prefix would see at twice the probe's time."""
+    under-reads the 8B shape's peak by 2.3 GiB (2 GiB more held in its reverse pass's first
+    eleven chunks, prefixes past 43K, docs/BENCHMARKS.md); whether the whole prefix sees it, at
+    about twice the probe's time, is not yet measured."""
     long = mx.cuda.is_available() if long is None else long
     far = chunk * -(-2 * TILE // chunk)
     if long:
         far = max(far, int(reach * LONG_SHARE))
     return min(far, reach) // chunk * chunk
+
+
+def forget() -> None:
+    """Drop every cached probe (a benchmark that changes LONG_SHARE between its rows)."""
+    _probes.clear()
 
 
 def cached(model, config, reach: int, peak: Measure, echo=None) -> Activations:
