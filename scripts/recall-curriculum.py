@@ -181,6 +181,8 @@ def train(a, trainee: Trainee, schedule: list[int] | None, budget: Budget) -> li
     before the run stops (shared by the trainers)."""
     p = trainee.progress
     made = [s["epochs"] for s in p["stages"]]
+    if p["done"]:  # saved as finished: left as it is (other processes may read it)
+        return made
     for stage in range(len(p["stages"]), len(a.stages)):
         if p["done"] or (schedule is not None and stage >= len(schedule)):
             break
@@ -371,26 +373,74 @@ def arguments(argv: list[str] | None):
 
 
 def side_by_side(a, argv: list[str]) -> int:
-    """--parallel: one process per seed (`--seed N`, the same --out), waited for; 0 when every
-    seed has finished, STOPPED when one stopped, 1 when one failed."""
-    import subprocess
-
+    """--parallel: each seed's driver in its own process (`--seed N --trainers DRIVER`, the same
+    --out), then each follower of each finished driver in its own (`--trainers DRIVER,FOLLOWER
+    --resume`: the driver's saved schedule, nothing of it retrained), waited for; 0 when every
+    process finished, STOPPED when one stopped, 1 when one failed. --stop-after-s counts from
+    the start: the followers get what the drivers left."""
+    start = time.perf_counter()
     args = [x for x in argv if x != "--parallel"]
     Path(a.out).mkdir(parents=True, exist_ok=True)
-    procs = {}
-    for seed in range(a.seeds):
-        log = open(Path(a.out) / f"seed{seed}.log", "w")  # noqa: SIM115 (closed below)
-        cmd = [sys.executable, __file__, *args, "--seed", str(seed)]
-        procs[seed] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log)
-    worst = 0
-    for seed, (proc, log) in procs.items():
-        code = proc.wait()
-        log.close()
-        if code not in (0, STOPPED):
-            tail = (Path(a.out) / f"seed{seed}.log").read_text().splitlines()[-5:]
-            print(f"seed {seed} failed ({code}):\n" + "\n".join(tail), flush=True)
-        worst = max(worst, {0: 0, STOPPED: 1}.get(code, 2))
+    codes = spawn(a, args, [(seed, [a.driver]) for seed in range(a.seeds)], start)
+    followers = [
+        (seed, [a.driver, t])
+        for seed in range(a.seeds)
+        if codes[(seed, a.driver)] == 0
+        for t in a.trainers
+        if t != a.driver
+    ]
+    codes |= spawn(a, [*args, "--resume"], followers, start)
+    worst = max({0: 0, STOPPED: 1}.get(code, 2) for code in codes.values())
     return [0, STOPPED, 1][worst]
+
+
+def without(args: list[str], option: str) -> list[str]:
+    """`args` less `option` and its value (`--option V` or `--option=V`)."""
+    out, skip = [], False
+    for x in args:
+        if skip or x.startswith(option + "="):
+            skip = False
+            continue
+        skip = x == option
+        if not skip:
+            out.append(x)
+    return out
+
+
+def spawn(a, args: list[str], jobs: list[tuple[int, list[str]]], start: float) -> dict:
+    """One process per (seed, trainers), side by side, its log OUT/seedS-T.log (T: its last
+    trainer); their exit statuses by (seed, T)."""
+    import subprocess
+
+    if a.stop_after_s is not None:  # what is left of the limit
+        left = max(0.0, a.stop_after_s - (time.perf_counter() - start))
+        args = [*without(args, "--stop-after-s"), f"--stop-after-s={left:.0f}"]
+    procs = {}
+    for seed, trainers in jobs:
+        name = Path(a.out) / f"seed{seed}-{trainers[-1]}.log"
+        log = open(name, "a")  # noqa: SIM115 (closed below); a resumed call appends
+        cmd = [
+            sys.executable,
+            __file__,
+            *args,
+            "--seed",
+            str(seed),
+            "--trainers",
+            ",".join(trainers),
+        ]
+        procs[(seed, trainers[-1])] = (
+            subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT),
+            log,
+            name,
+        )
+    codes = {}
+    for key, (proc, log, name) in procs.items():
+        codes[key] = proc.wait()
+        log.close()
+        if codes[key] not in (0, STOPPED):
+            tail = name.read_text().splitlines()[-5:]
+            print(f"{name.name} failed ({codes[key]}):\n" + "\n".join(tail), flush=True)
+    return codes
 
 
 def main(argv: list[str] | None = None) -> int:

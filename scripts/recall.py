@@ -439,11 +439,12 @@ def peer_step(model, optimizer, a):
         batch_size=1,
         iters=1,
         seq_step_size=a.chunk,
-        max_seq_length=a.window + 1,
+        max_seq_length=a.chunk,  # each window's own length, set per step
         steps_per_eval=None,
         steps_per_report=1,
         steps_per_save=10**9,
-        adapter_file=str(ROOT / "runs" / "peer" / "weights.safetensors"),
+        # its save at the end of each call: one file per process (runs side by side)
+        adapter_file=str(ROOT / "runs" / "peer" / f"weights-{os.getpid()}.safetensors"),
     )
     Path(args.adapter_file).parent.mkdir(parents=True, exist_ok=True)
     last = {}
@@ -466,6 +467,7 @@ def peer_step(model, optimizer, a):
         tokens = np.concatenate([window.inputs, window.targets[-1:]])[None]  # (1, n + 1)
         labelled = np.flatnonzero(window.weights) + 1  # target index i is the peer's step i + 1
         lengths = mx.array([[int(labelled[0]), int(labelled[-1])]])  # (1, 2): its (offset, length)
+        args.max_seq_length = tokens.shape[1]  # a curriculum's windows grow
 
         def batches(**_):
             yield mx.array(tokens), lengths

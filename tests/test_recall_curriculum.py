@@ -73,7 +73,10 @@ def test_parallel_seeds_give_the_table_of_one_run(tmp_path):
     one = curriculum(together, *quick)
     both = curriculum(apart, *quick, "--parallel")
     assert both.returncode == 0, both.stdout[-2000:] + both.stderr[-2000:]
-    assert "one-graph seed 1 window 256" in (apart / "seed1.log").read_text()
+    # each seed's driver in its own process, then each follower in its own, on its schedule
+    assert "one-graph seed 1 window 256" in (apart / "seed1-one-graph.log").read_text()
+    follower = (apart / "seed1-plain.log").read_text()
+    assert "plain seed 1 window 256" in follower and "one-graph seed" not in follower
     assert scores(together) == scores(apart)
 
     def rows(out: str) -> list[list[str]]:  # up to the answer loss: seconds differ
