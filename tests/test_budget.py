@@ -115,7 +115,7 @@ def test_a_long_probe_reads_its_share_of_the_prefix_in_whole_chunks(monkeypatch)
     chunk, reach = 2048, 31 * 2048  # the 8B window's last chunk reads 31 chunks
     short = probes.prefix_for(chunk, reach, long=False)
     assert short == chunk * -(-2 * probes.TILE // chunk)  # two attention tiles
-    assert probes.prefix_for(chunk, reach, long=True) == 15 * chunk  # half, rounded down
-    monkeypatch.setattr(probes, "LONG_SHARE", 1.0)
-    assert probes.prefix_for(chunk, reach, long=True) == reach
+    assert probes.prefix_for(chunk, reach, long=True) == reach  # the whole prefix
     assert probes.prefix_for(chunk, 2 * chunk, long=True) == 2 * chunk  # never past the reach
+    monkeypatch.setattr(probes, "LONG_SHARE", 0.5)
+    assert probes.prefix_for(chunk, reach, long=True) == 15 * chunk  # half, rounded down

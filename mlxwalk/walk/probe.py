@@ -56,19 +56,19 @@ def probe_key(model, config) -> tuple:
     )
 
 
-LONG_SHARE = 0.5  # the share of the run's reach a long probe reads (1: the whole prefix)
+LONG_SHARE = 1.0  # the share of the run's reach a long probe reads (0.5: half the prefix)
 
 
 def prefix_for(chunk: int, reach: int, long: bool | None = None) -> int:
     """The prefix the probe's longer walks read: two attention tiles, rounded up to whole
     chunks, or the run's longest prefix `reach` (in whole chunks) when that is shorter. `long`
-    (default: on CUDA) reads at least half the run's reach: there a graph's peak holds buffers
+    (default: on CUDA) reads LONG_SHARE of the run's reach: there a chunk's peak holds buffers
     the backend has freed but not yet reclaimed, which grow faster with the prefix than the
     live set does, so a short prefix's slope under-reads a long one (the 27B-shaped hybrid:
-    estimated 37.9 GiB, peaked 50.45, docs/BENCHMARKS.md). LONG_SHARE sets how much: half
-    under-reads the 8B shape's peak by 2.3 GiB (2 GiB more held in its reverse pass's first
-    eleven chunks, prefixes past 43K, docs/BENCHMARKS.md); whether the whole prefix sees it, at
-    about twice the probe's time, is not yet measured."""
+    estimated 37.9 GiB, peaked 50.45). Half the reach still under-read the 8B shape by 1.8-2.3
+    GiB (its chunks past 43K of prefix peak 2 GiB higher while what stays live between chunks is
+    flat); the whole reach reads it (estimate 23.40 GiB, peak 23.37), at one whole-window decode
+    more per probe (docs/BENCHMARKS.md)."""
     long = mx.cuda.is_available() if long is None else long
     far = chunk * -(-2 * TILE // chunk)
     if long:
