@@ -68,8 +68,8 @@ class Budget:
     an epoch not started when it would end past them (its length predicted from the trainer's
     last epoch, per position)."""
 
-    def __init__(self, epochs: int | None, seconds: float | None):
-        self.epochs = epochs
+    def __init__(self, epochs: int | None, seconds: float | None, margin: float = MARGIN):
+        self.epochs, self.margin = epochs, margin
         self.deadline = None if seconds is None else time.perf_counter() + seconds
         self.rate: dict[str, float] = {}  # per trainer and seed: seconds a training position
 
@@ -84,7 +84,7 @@ class Budget:
     def spent(self, who: str, positions: int, seconds: float) -> None:
         if self.epochs is not None:
             self.epochs -= 1
-        self.rate[who] = MARGIN * seconds / positions
+        self.rate[who] = self.margin * seconds / positions
 
     def resumed(self, who: str, progress: dict, a) -> None:
         """The rate of a trainer's last saved epoch, for its first epoch after --resume."""
@@ -94,7 +94,7 @@ class Budget:
             last, window = progress["stages"][-1]["per_epoch"][-1], progress["stages"][-1]["window"]
         else:
             return
-        self.rate.setdefault(who, MARGIN * last["seconds"] / (window * a.train))
+        self.rate.setdefault(who, self.margin * last["seconds"] / (window * a.train))
 
 
 def stage_data(a, seed: int, stage: int, window: int) -> tuple[dict, dict]:
@@ -181,6 +181,8 @@ def train(a, trainee: Trainee, schedule: list[int] | None, budget: Budget) -> li
     before the run stops (shared by the trainers)."""
     p = trainee.progress
     made = [s["epochs"] for s in p["stages"]]
+    if p["done"] and not p["ended"] and len(p["stages"]) < len(a.stages):
+        p["done"] = False  # it finished a shorter list of stages: on to the longer one's
     if p["done"]:  # saved as finished: left as it is (other processes may read it)
         return made
     for stage in range(len(p["stages"]), len(a.stages)):
@@ -245,7 +247,7 @@ def stage_row(window: int, epochs: list[dict], passed: bool | None) -> dict:
 
 def run(a) -> dict:
     """Per seed: the driver first, then every other trainer on its schedule."""
-    budget = Budget(a.stop_after, a.stop_after_s)
+    budget = Budget(a.stop_after, a.stop_after_s, a.margin)
     runs: dict = {}
     for seed in [a.seed] if a.seed is not None else range(a.seeds):
         order = [a.driver] + [t for t in a.trainers if t != a.driver]
@@ -311,6 +313,36 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def plot(rows: list[dict], path: str, title: str) -> None:
+    """Held-out accuracy per stage: each trainer's mean over the seeds that reached the stage,
+    the band its range, chance dotted."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for trainer in dict.fromkeys(r["trainer"] for r in rows):
+        mine = [r for r in rows if r["trainer"] == trainer]
+        x = [r["window"] for r in mine]
+        seeds = "/".join(str(r["seeds"]) for r in mine)
+        ax.plot(x, [r["accuracy"] for r in mine], marker="o", label=f"{trainer} (seeds {seeds})")
+        ax.fill_between(x, [r["min"] for r in mine], [r["max"] for r in mine], alpha=0.2)
+    ax.axhline(1 / len(recall.CODES), color="gray", linestyle=":", label="chance")
+    ax.set_xscale("log", base=2)
+    chunks = {r["window"]: r["chunks"] for r in rows}
+    ax.set_xticks(list(chunks), [f"{w:,}\n{c}" for w, c in chunks.items()])
+    ax.set(
+        xlabel="window (positions; chunks)",
+        ylabel="held-out exact-match accuracy",
+        ylim=(0, 1.02),
+        title=title,
+    )
+    ax.legend(loc="center right", fontsize="small")
+    fig.tight_layout()
+    files.atomic_write(Path(path), lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
+
+
 def arguments(argv: list[str] | None):
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter, allow_abbrev=False
@@ -351,6 +383,17 @@ def arguments(argv: list[str] | None):
         action="store_true",
         help="each seed in its own process, side by side (logs: OUT/seedN.log), then the table",
     )
+    p.add_argument(
+        "--margin",
+        type=float,
+        default=MARGIN,
+        help="--stop-after-s: an epoch's predicted seconds are its last epoch's per position "
+        "times this (the held-out pass, a longer window, other processes on the device)",
+    )
+    p.add_argument(
+        "--table", action="store_true", help="the table of the saved states; nothing trained"
+    )
+    p.add_argument("--plot", help="write accuracy per stage and trainer to this PNG")
     p.add_argument("--quick", action="store_true", help="a smoke run of seconds")
     a = p.parse_args(argv)
     if a.quick:
@@ -447,6 +490,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     a = arguments(argv)
     start = time.perf_counter()
+    if a.table:
+        return report(a, saved(a), start)
     if a.parallel:
         if (code := side_by_side(a, argv)) != 0:
             print("a seed stopped or failed; --resume continues", flush=True)
@@ -457,6 +502,23 @@ def main(argv: list[str] | None = None) -> int:
     except Stop:
         print("stopped (--stop-after or --stop-after-s); --resume continues", flush=True)
         return STOPPED
+    return report(a, runs, start)
+
+
+def saved(a) -> dict:
+    """Every trainer's saved progress under --out, finished or not, by "trainer/seed"."""
+    runs = {}
+    for seed in [a.seed] if a.seed is not None else range(a.seeds):
+        for trainer in a.trainers:
+            state = Path(a.out) / "state" / f"{trainer}-seed{seed}" / "progress.json"
+            if state.exists():
+                runs[f"{trainer}/{seed}"] = json.loads(state.read_text())
+    return runs
+
+
+def report(a, runs: dict, start: float) -> int:
+    """The table over seeds per stage and trainer, how each run ended or where it stands, and
+    the JSON of it all."""
     rows = summary(a, runs)
     seeds = sorted({int(key.split("/")[1]) for key in runs})
     for r in rows:
@@ -471,10 +533,16 @@ def main(argv: list[str] | None = None) -> int:
     for key, progress in runs.items():
         if progress.get("ended"):
             print(f"{key}: {progress['ended']}")
+        elif not progress.get("done"):
+            at = a.stages[len(progress["stages"])]
+            print(f"{key}: not finished, at {at} after {len(progress['epochs'])} epochs there")
+    if a.plot and rows:
+        plot(rows, a.plot, f"recall by curriculum, chunk {a.chunk}, seeds {seeds}")
+        print(f"plot: {a.plot}")
     settings = {
         k: v
         for k, v in vars(a).items()
-        if k not in ("resume", "stop_after", "stop_after_s", "parallel", "seed")
+        if k not in ("resume", "stop_after", "stop_after_s", "parallel", "seed", "table", "plot")
     }
     out = {"settings": settings, "runs": runs, "summary": rows}
     name = "curriculum.json" if a.seed is None else f"curriculum-seed{a.seed}.json"

@@ -109,3 +109,33 @@ def test_a_resumed_trainer_predicts_its_next_epoch_from_its_saved_one():
     budget.resumed("exact/0", saved, a)  # 60 s for 1,280 positions, with the margin
     assert not budget.allows("exact/0", 256 * 10)  # 180 s > 100 s left
     assert budget.allows("exact/0", 128 * 10)  # 90 s
+
+
+def test_the_table_of_a_stopped_run_says_where_each_trainer_stands(tmp_path):
+    quick = ("--advance", "0", "--max-epochs", "1")
+    assert curriculum(tmp_path, *quick, "--stop-after", "3").returncode == 3
+    shown = curriculum(tmp_path, *quick, "--table")
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    assert " epoch " not in shown.stdout  # nothing trained
+    assert "| 128 | 4 | one-graph | 1 | 1.0 |" in shown.stdout
+    assert "| 128 | 4 | exact | 1 | 1.0 |" in shown.stdout  # the third epoch: exact at 128
+    assert "| plain |" not in shown.stdout  # not started
+    assert "exact/0: not finished, at 256 after 0 epochs there" in shown.stdout
+    assert "one-graph/0" not in shown.stdout  # finished without a note
+
+
+def test_a_finished_run_goes_on_to_added_stages_with_the_exact_walk_driving(tmp_path):
+    small = ["--chunk", "32", "--train", "6", "--valid", "6", "--width", "32", "--layers", "1"]
+    small += ["--warmup", "2", "--seeds", "1", "--advance", "0", "--max-epochs", "1"]
+    small += ["--trainers", "one-graph,exact", "--out", str(tmp_path)]
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, str(SCRIPT), *small, *args]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+    assert run("--stages", "128").returncode == 0
+    longer = run("--stages", "128", "256", "--driver", "exact", "--resume", "--cap-gib", "0.002")
+    assert longer.returncode == 0, longer.stderr[-2000:]
+    assert "exact seed 0 window 256 epoch 1" in longer.stdout  # the added stage, trained
+    assert "window 128 epoch" not in longer.stdout  # the first, not again
+    assert "one-graph/0: over the cap at 256" in longer.stdout  # one graph's step: over 2 MiB
