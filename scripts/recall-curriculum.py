@@ -23,8 +23,14 @@ stopped (`--stop-after N` stops after N epochs in all, as a session's end would)
     scripts/recall-curriculum.py --stages 256 512 1024 2048 4096 --chunk 128 [--seeds 3]
         [--trainers one-graph,exact,plain,peer] [--out runs/recall-curriculum] [--resume]
     scripts/recall-curriculum.py ... --parallel [--stop-after-s 500] [--resume]
-        each seed in its own process (`--seed N`, the same --out), then the table; with
-        --stop-after-s each stops before an epoch that would end past the limit
+        each seed's driver in its own process (`--seed N`, the same --out), then each of its
+        followers in its own, then the table; with --stop-after-s each stops before an epoch
+        that would end past the limit (predicted at --margin times its last epoch's rate)
+    scripts/recall-curriculum.py ... --table [--plot docs/recall-curriculum.png]
+        the table (and figure) of the saved states, nothing trained
+    scripts/recall-curriculum.py ... --stages ... 8192 --driver exact --cap-gib 2 --resume
+        a finished run goes on to the added stages, the exact walk setting the schedule where
+        one graph's step peaks over the cap
     scripts/recall-curriculum.py --quick           a smoke run of seconds
 """
 
