@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import shutil
 import statistics
 import sys
 import time
@@ -189,6 +190,9 @@ def train(a, trainee: Trainee, schedule: list[int] | None, budget: Budget) -> li
     made = [s["epochs"] for s in p["stages"]]
     if p["done"] and not p["ended"] and len(p["stages"]) < len(a.stages):
         p["done"] = False  # it finished a shorter list of stages: on to the longer one's
+        last = p["stages"][-1] if p["stages"] else None
+        if schedule is None and last and last["accuracy"] < a.advance:  # driving now: its rule
+            p["done"], p["ended"] = True, f"did not reach {a.advance} at {last['window']}"
     if p["done"]:  # saved as finished: left as it is (other processes may read it)
         return made
     for stage in range(len(p["stages"]), len(a.stages)):
@@ -196,14 +200,16 @@ def train(a, trainee: Trainee, schedule: list[int] | None, budget: Budget) -> li
             break
         window = a.stages[stage]
         train_set, valid_set = stage_data(a, trainee.seed, stage, window)
+        who, positions = f"{trainee.trainer}/{trainee.seed}", window * len(train_set["inputs"])
+        budget.resumed(who, p, a)
         if a.cap_gib and not p["epochs"]:
+            if not budget.allows(who, positions):  # no time left: not even the cap's step
+                raise Stop
             peak = probe_peak(a, trainee.trainer, window, train_set)
             if peak > a.cap_gib * 1024:
                 p["done"], p["ended"] = True, f"over the cap at {window}: {peak:.0f} MiB"
                 trainee.save()
                 break
-        who, positions = f"{trainee.trainer}/{trainee.seed}", window * len(train_set["inputs"])
-        budget.resumed(who, p, a)
         while True:
             if not budget.allows(who, positions):
                 raise Stop
@@ -377,7 +383,7 @@ def arguments(argv: list[str] | None):
     p.add_argument(
         "--stop-after",
         type=int,
-        help="stop after this many epochs in all (per seed with --parallel)",
+        help="stop after this many epochs in all (per process with --parallel)",
     )
     p.add_argument(
         "--stop-after-s",
@@ -387,7 +393,8 @@ def arguments(argv: list[str] | None):
     p.add_argument(
         "--parallel",
         action="store_true",
-        help="each seed in its own process, side by side (logs: OUT/seedN.log), then the table",
+        help="each seed's driver, then each of its followers, in its own process, side by side "
+        "(logs: OUT/seedN-TRAINER.log), then the table",
     )
     p.add_argument(
         "--margin",
@@ -401,6 +408,7 @@ def arguments(argv: list[str] | None):
     )
     p.add_argument("--plot", help="write accuracy per stage and trainer to this PNG")
     p.add_argument("--quick", action="store_true", help="a smoke run of seconds")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # --parallel's own
     a = p.parse_args(argv)
     if a.quick:
         a.stages, a.chunk, a.train, a.valid = [128, 256], 32, 6, 6
@@ -428,8 +436,11 @@ def side_by_side(a, argv: list[str]) -> int:
     process finished, STOPPED when one stopped, 1 when one failed. --stop-after-s counts from
     the start: the followers get what the drivers left."""
     start = time.perf_counter()
-    args = [x for x in argv if x != "--parallel"]
+    args = [*without([x for x in argv if x != "--parallel"], "--plot"), "--child"]
     Path(a.out).mkdir(parents=True, exist_ok=True)
+    if not a.resume:  # a fresh run: no follower may resume an earlier run's state
+        for seed, trainer in ((s, t) for s in range(a.seeds) for t in a.trainers):
+            shutil.rmtree(Path(a.out) / "state" / f"{trainer}-seed{seed}", ignore_errors=True)
     codes = spawn(a, args, [(seed, [a.driver]) for seed in range(a.seeds)], start)
     followers = [
         (seed, [a.driver, t])
@@ -462,7 +473,9 @@ def spawn(a, args: list[str], jobs: list[tuple[int, list[str]]], start: float) -
     import subprocess
 
     if a.stop_after_s is not None:  # what is left of the limit
-        left = max(0.0, a.stop_after_s - (time.perf_counter() - start))
+        left = a.stop_after_s - (time.perf_counter() - start)
+        if left < 1:  # nothing would start: stopped as they stand
+            return {(seed, trainers[-1]): STOPPED for seed, trainers in jobs}
         args = [*without(args, "--stop-after-s"), f"--stop-after-s={left:.0f}"]
     procs = {}
     for seed, trainers in jobs:
@@ -508,6 +521,8 @@ def main(argv: list[str] | None = None) -> int:
     except Stop:
         print("stopped (--stop-after or --stop-after-s); --resume continues", flush=True)
         return STOPPED
+    if a.child:  # one of --parallel's processes: the table and its files are the parent's
+        return 0
     return report(a, runs, start)
 
 
@@ -539,9 +554,11 @@ def report(a, runs: dict, start: float) -> int:
     for key, progress in runs.items():
         if progress.get("ended"):
             print(f"{key}: {progress['ended']}")
-        elif not progress.get("done"):
+        elif not progress.get("done") and len(progress["stages"]) < len(a.stages):
             at = a.stages[len(progress["stages"])]
             print(f"{key}: not finished, at {at} after {len(progress['epochs'])} epochs there")
+        elif not progress.get("done"):
+            print(f"{key}: every stage trained, not yet marked finished")
     if a.plot and rows:
         plot(rows, a.plot, f"recall by curriculum, chunk {a.chunk}, seeds {seeds}")
         print(f"plot: {a.plot}")

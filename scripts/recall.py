@@ -443,10 +443,9 @@ def peer_step(model, optimizer, a):
         steps_per_eval=None,
         steps_per_report=1,
         steps_per_save=10**9,
-        # its save at the end of each call: one file per process (runs side by side)
-        adapter_file=str(ROOT / "runs" / "peer" / f"weights-{os.getpid()}.safetensors"),
+        # its save at the end of each call: a file of this process's own (runs side by side)
+        adapter_file=scratch_file(".safetensors"),
     )
-    Path(args.adapter_file).parent.mkdir(parents=True, exist_ok=True)
     last = {}
 
     def loss(model, batch, lengths, cache=None):
@@ -486,6 +485,17 @@ def peer_step(model, optimizer, a):
         return last["loss"]
 
     return step
+
+
+def scratch_file(suffix: str) -> str:
+    """A temporary file's name, the file removed when the process exits."""
+    import atexit
+    import tempfile
+
+    fd, name = tempfile.mkstemp(suffix=suffix)
+    os.close(fd)
+    atexit.register(lambda: Path(name).unlink(missing_ok=True))
+    return name
 
 
 class _NoWiredLimit:

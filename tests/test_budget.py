@@ -119,3 +119,29 @@ def test_a_long_probe_reads_its_share_of_the_prefix_in_whole_chunks(monkeypatch)
     assert probes.prefix_for(chunk, 2 * chunk, long=True) == 2 * chunk  # never past the reach
     monkeypatch.setattr(probes, "LONG_SHARE", 0.5)
     assert probes.prefix_for(chunk, reach, long=True) == 15 * chunk  # half, rounded down
+
+
+@pytest.mark.parametrize(
+    "error, refused",
+    [
+        ("cudaMallocAsync(&data, size, stream) failed: out of memory", True),
+        ("[metal::malloc] Resource limit (499000) exceeded.", True),
+        ("[matmul] Last dimension of first input with shape (1,2) must match", False),
+    ],
+)
+def test_a_probe_out_of_device_memory_is_a_refusal_not_a_crash(qwen2, monkeypatch, error, refused):
+    # on CUDA the probe walks the whole window: where the run would not fit the device, it fails
+    # first, and that is the window refused by name, not a traceback
+    def fails(*_, **__):
+        raise RuntimeError(error)
+
+    monkeypatch.setattr(probes, "_probes", {})
+    monkeypatch.setattr(probes, "measure", fails)
+    config = WalkConfig(chunk=256, memory_budget_mib=64 * 1024)
+    if refused:
+        with pytest.raises(OutOfMemory, match="device memory: measuring one chunk's graph") as e:
+            ExactWalk(qwen2, window(1024), config)
+        assert "\n" not in str(e.value) and e.value.__cause__ is None
+    else:
+        with pytest.raises(RuntimeError, match="matmul"):
+            ExactWalk(qwen2, window(1024), config)

@@ -139,3 +139,21 @@ def test_a_finished_run_goes_on_to_added_stages_with_the_exact_walk_driving(tmp_
     assert "exact seed 0 window 256 epoch 1" in longer.stdout  # the added stage, trained
     assert "window 128 epoch" not in longer.stdout  # the first, not again
     assert "one-graph/0: over the cap at 256" in longer.stdout  # one graph's step: over 2 MiB
+    # a trainer that now drives is held to --advance at the stage it last trained
+    assert run("--stages", "128", "256", "--resume").returncode == 0
+    held = run(
+        "--stages", "128", "256", "512", "--driver", "exact", "--resume", "--advance", "1.01"
+    )
+    assert held.returncode == 0, held.stderr[-2000:]
+    assert " epoch " not in held.stdout and "exact/0: did not reach 1.01 at 256" in held.stdout
+
+
+def test_a_fresh_parallel_run_resumes_no_earlier_state(tmp_path):
+    quick = ("--advance", "0", "--max-epochs", "1", "--seeds", "1", "--parallel")
+    assert curriculum(tmp_path, *quick).returncode == 0
+    again = curriculum(tmp_path, *quick, "--lr", "3e-3")
+    assert again.returncode == 0, again.stdout[-2000:]
+    log = (tmp_path / "seed0-plain.log").read_text()  # appended to by each call
+    assert log.count("plain seed 0 window 128 epoch 1") == 2  # trained again, not restored
+    settings = json.loads((tmp_path / "curriculum.json").read_text())["settings"]
+    assert settings["lr"] == 3e-3 and not list(tmp_path.glob("curriculum-seed*.json"))

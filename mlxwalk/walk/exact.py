@@ -289,4 +289,15 @@ def probe(model, config: WalkConfig, reach: int | None = None, echo=None) -> bud
         return budget.live_peak(lambda: walk.run(chunks=1)) - walk.held()
 
     reach = probes.prefix_for(config.chunk, 1 << 62) if reach is None else reach
-    return probes.cached(model, config, reach, peak, echo)
+    try:
+        return probes.cached(model, config, reach, peak, echo)
+    except RuntimeError as e:  # the device's own allocation failed: the probe's walk is the run's
+        if not probes.out_of_device_memory(e):
+            raise
+        mx.clear_cache()
+        raise OutOfMemory(
+            f"device memory: measuring one chunk's graph over a prefix of "
+            f"{probes.prefix_for(config.chunk, reach):,} positions ran out of the device's memory "
+            "(the probe walks the window as the run does); a shorter window, a smaller chunk or "
+            "an 8-bit K/V store would need less"
+        ) from None

@@ -62,18 +62,26 @@ LONG_SHARE = 1.0  # the share of the run's reach a long probe reads (0.5: half t
 def prefix_for(chunk: int, reach: int, long: bool | None = None) -> int:
     """The prefix the probe's longer walks read: two attention tiles, rounded up to whole
     chunks, or the run's longest prefix `reach` (in whole chunks) when that is shorter. `long`
-    (default: on CUDA) reads LONG_SHARE of the run's reach: there a chunk's peak holds buffers
-    the backend has freed but not yet reclaimed, which grow faster with the prefix than the
-    live set does, so a short prefix's slope under-reads a long one (the 27B-shaped hybrid:
-    estimated 37.9 GiB, peaked 50.45). Half the reach still under-read the 8B shape by 1.8-2.3
-    GiB (its chunks past 43K of prefix peak 2 GiB higher while what stays live between chunks is
-    flat); the whole reach reads it (estimate 23.40 GiB, peak 23.37), at one whole-window decode
-    more per probe (docs/BENCHMARKS.md)."""
+    (default: on CUDA) reads LONG_SHARE of the run's reach: there a chunk's peak grows faster
+    with the prefix than a short prefix's slope says (the 27B-shaped hybrid: estimated 37.9 GiB
+    from two tiles, peaked 50.45). Half the reach still under-read the 8B shape by 1.8-2.3 GiB
+    (its chunks past 43K of prefix peak 2 GiB higher while what stays live between chunks is
+    flat; which buffers is not measured); the whole reach reads it (estimate 23.40 GiB, peak
+    23.37), at one whole-window decode more per probe (docs/BENCHMARKS.md). Its walks then hold
+    about what the run does: where the run would not fit the device, the probe fails first, and
+    exact.probe refuses the window."""
     long = mx.cuda.is_available() if long is None else long
     far = chunk * -(-2 * TILE // chunk)
     if long:
         far = max(far, int(reach * LONG_SHARE))
     return min(far, reach) // chunk * chunk
+
+
+def out_of_device_memory(error: RuntimeError) -> bool:
+    """Whether MLX's error is a failed device allocation (CUDA's `cudaMalloc*`, Metal's
+    resource limit), not a fault of the walk."""
+    text = str(error).lower()
+    return "out of memory" in text or "resource limit" in text or "malloc" in text
 
 
 def forget() -> None:
