@@ -121,13 +121,18 @@ def learning_rate(a):
     )
 
 
+def state_folder(a, trainer: str, seed: int) -> Path:
+    """Where one trainer's state on one seed is saved under --out."""
+    return Path(a.out) / "state" / f"{trainer}-seed{seed}"
+
+
 class Trainee:
     """One trainer on one seed: its model, optimizer and step, its place in the schedule and its
     rows, saved and restored as one folder."""
 
     def __init__(self, a, trainer: str, seed: int):
         self.a, self.trainer, self.seed = a, trainer, seed
-        self.folder = Path(a.out) / "state" / f"{trainer}-seed{seed}"
+        self.folder = state_folder(a, trainer, seed)
         self.model = bench.build_model(seed, a.width, a.layers, rope_theta=a.rope_theta)
         self.optimizer = bench.ClippedAdam(a.clip, learning_rate=learning_rate(a))
         self.optimizer.init(self.model.trainable_parameters())
@@ -440,7 +445,7 @@ def side_by_side(a, argv: list[str]) -> int:
     Path(a.out).mkdir(parents=True, exist_ok=True)
     if not a.resume:  # a fresh run: no follower may resume an earlier run's state
         for seed, trainer in ((s, t) for s in range(a.seeds) for t in a.trainers):
-            shutil.rmtree(Path(a.out) / "state" / f"{trainer}-seed{seed}", ignore_errors=True)
+            shutil.rmtree(state_folder(a, trainer, seed), ignore_errors=True)
     codes = spawn(a, args, [(seed, [a.driver]) for seed in range(a.seeds)], start)
     followers = [
         (seed, [a.driver, t])
@@ -531,7 +536,7 @@ def saved(a) -> dict:
     runs = {}
     for seed in [a.seed] if a.seed is not None else range(a.seeds):
         for trainer in a.trainers:
-            state = Path(a.out) / "state" / f"{trainer}-seed{seed}" / "progress.json"
+            state = state_folder(a, trainer, seed) / "progress.json"
             if state.exists():
                 runs[f"{trainer}/{seed}"] = json.loads(state.read_text())
     return runs
