@@ -17,15 +17,19 @@ throwaway model first) does not train that stage or any later one; its rows say 
 `--driver exact` the exact walk sets the schedule, for windows past where one graph fits.
 
 Every trainer's state (weights, Adam's moments, where it is in the schedule) is saved after
-each epoch under --out; `--resume` continues each from there, to the same numbers as a run never
-stopped (`--stop-after N` stops after N epochs in all, as a session's end would).
+each epoch under --out, and part-way through one when the run stops inside it; `--resume`
+continues each from there, to the same numbers as a run never stopped (`--stop-after N` stops
+after N epochs in all, `--stop-after-windows N` after N windows, as a session's end would). A
+driver that did not pass its last stage within --max-epochs, resumed with a larger
+--max-epochs, trains that stage on. SIGTERM or Ctrl-C stops a run the same way, after the
+window under way.
 
     scripts/recall-curriculum.py --stages 256 512 1024 2048 4096 --chunk 128 [--seeds 3]
         [--trainers one-graph,exact,plain,peer] [--out runs/recall-curriculum] [--resume]
     scripts/recall-curriculum.py ... --parallel [--stop-after-s 500] [--resume]
         each seed's driver in its own process (`--seed N`, the same --out), then each of its
-        followers in its own, then the table; with --stop-after-s each stops before an epoch
-        that would end past the limit (predicted at --margin times its last epoch's rate)
+        followers in its own, then the table; with --stop-after-s each stops before a window
+        that would end past the limit (predicted at --margin times its last window's rate)
     scripts/recall-curriculum.py ... --table [--plot docs/recall-curriculum.png]
         the table (and figure) of the saved states, nothing trained
     scripts/recall-curriculum.py ... --stages ... 8192 --driver exact --cap-gib 2 --resume
@@ -40,6 +44,7 @@ import argparse
 import importlib.util
 import json
 import shutil
+import signal
 import statistics
 import sys
 import time
@@ -71,30 +76,52 @@ class Stop(Exception):
 
 
 class Budget:
-    """What is left before the run stops: --stop-after's epochs, and --stop-after-s's seconds,
-    an epoch not started when it would end past them (its length predicted from the trainer's
-    last epoch, per position)."""
+    """What is left before the run stops: --stop-after's epochs, --stop-after-windows' windows and
+    --stop-after-s's seconds; a window (or a held-out pass) not started when it would end past
+    them, its length predicted from the trainer's last one, per position, times the margin."""
 
-    def __init__(self, epochs: int | None, seconds: float | None, margin: float = MARGIN):
-        self.epochs, self.margin = epochs, margin
+    def __init__(
+        self,
+        epochs: int | None,
+        seconds: float | None,
+        margin: float = MARGIN,
+        windows: int | None = None,
+    ):
+        self.epochs, self.windows, self.margin = epochs, windows, margin
         self.deadline = None if seconds is None else time.perf_counter() + seconds
-        self.rate: dict[str, float] = {}  # per trainer and seed: seconds a training position
+        self.rate: dict[str, float] = {}  # per trainer and seed (and pass): seconds a position
+        self.asked = False  # SIGTERM or SIGINT came: stop at the next window
+
+    def ask_to_stop(self, *_) -> None:
+        self.asked = True
 
     def allows(self, who: str, positions: int) -> bool:
-        if self.epochs == 0:
+        if self.asked or self.epochs == 0 or self.windows == 0:
             return False
         if self.deadline is None:
             return True
         now = time.perf_counter()
         return now < self.deadline and now + self.rate.get(who, 0.0) * positions <= self.deadline
 
-    def spent(self, who: str, positions: int, seconds: float) -> None:
-        if self.epochs is not None:
-            self.epochs -= 1
+    def timed(self, who: str, positions: int, seconds: float) -> None:
         self.rate[who] = self.margin * seconds / positions
 
+    def window_done(self) -> None:
+        if self.windows is not None:
+            self.windows -= 1
+
+    def epoch_done(self) -> None:
+        if self.epochs is not None:
+            self.epochs -= 1
+
     def resumed(self, who: str, progress: dict, a) -> None:
-        """The rate of a trainer's last saved epoch, for its first epoch after --resume."""
+        """The rate of a trainer's last saved epoch (or part of one), for its first window after
+        --resume."""
+        part = progress.get("partial")
+        if part and part["windows"]:
+            window = a.stages[len(progress["stages"])]
+            self.rate.setdefault(who, self.margin * part["seconds"] / (window * part["windows"]))
+            return
         if progress["epochs"]:
             last, window = progress["epochs"][-1], a.stages[len(progress["stages"])]
         elif progress["stages"]:
@@ -139,7 +166,7 @@ class Trainee:
         config = WalkConfig(chunk=a.chunk, follow_runs=False)
         self.step = bench.make_step(trainer, self.model, self.optimizer, config, a)
         # where it is: stages done (rows), the epochs of the stage under way
-        self.progress = {"stages": [], "epochs": [], "done": False, "ended": None}
+        self.progress = {"stages": [], "epochs": [], "partial": None, "done": False, "ended": None}
 
     def save(self) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -160,21 +187,47 @@ class Trainee:
         mx.eval(self.model.parameters(), self.optimizer.state)
         return True
 
-    def epoch(self, stage: int, train: dict, valid: dict) -> dict:
-        """One pass over the stage's conversations in a seeded order; then the held-out scores."""
-        epoch = len(self.progress["epochs"]) + 1
-        order = np.random.default_rng([self.seed, stage, epoch]).permutation(len(train["inputs"]))
+    def epoch(self, stage: int, window: int, train: dict, valid: dict, budget: Budget) -> dict:
+        """One pass over the stage's conversations in a seeded order, then the held-out scores.
+        Before a window or the held-out pass that the budget does not allow, the epoch is saved
+        part-way (`partial`) and Stop raised; a resumed one goes on from the next window."""
+        p, who = self.progress, f"{self.trainer}/{self.seed}"
+        fresh = {"epoch": len(p["epochs"]) + 1, "windows": 0, "loss": 0.0, "seconds": 0.0}
+        part = p["partial"] = p.get("partial") or fresh | {"peak_mib": 0.0}
+        order = np.random.default_rng([self.seed, stage, part["epoch"]]).permutation(
+            len(train["inputs"])
+        )
         mx.reset_peak_memory()
-        start, loss = time.perf_counter(), 0.0
-        for i in order:
-            loss += self.step(bench.window_of(train, int(i)))
-        seconds = time.perf_counter() - start
-        peak = mx.get_peak_memory() / 2**20
+        for i in order[part["windows"] :]:
+            if not budget.allows(who, window):
+                self.halt(part)
+            start = time.perf_counter()
+            part["loss"] += self.step(bench.window_of(train, int(i)))
+            seconds = time.perf_counter() - start
+            part["seconds"] += seconds
+            part["windows"] += 1
+            budget.timed(who, window, seconds)
+            budget.window_done()
+        part["peak_mib"] = max(part["peak_mib"], mx.get_peak_memory() / 2**20)
+        held_out = (f"{who} held-out", window * len(valid["inputs"]))
+        if not budget.allows(*held_out):
+            self.halt(part)
+        start = time.perf_counter()
         acc, answer_loss, _ = bench.evaluate(self.model, valid, batch=self.a.eval_batch)
-        row = {"epoch": epoch, "accuracy": acc, "loss": answer_loss, "seconds": seconds}
-        row |= {"s_per_window": seconds / len(order), "peak_mib": peak}
-        row["train_loss"] = loss / len(order)
+        budget.timed(*held_out, time.perf_counter() - start)
+        budget.epoch_done()
+        p["partial"] = None
+        n = len(order)
+        row = {"epoch": part["epoch"], "accuracy": acc, "loss": answer_loss}
+        row |= {"seconds": part["seconds"], "s_per_window": part["seconds"] / n}
+        row |= {"peak_mib": part["peak_mib"], "train_loss": part["loss"] / n}
         return row
+
+    def halt(self, part: dict) -> None:
+        """Save the epoch part-way and stop."""
+        part["peak_mib"] = max(part["peak_mib"], mx.get_peak_memory() / 2**20)
+        self.save()
+        raise Stop
 
 
 def probe_peak(a, trainer: str, window: int, data: dict) -> float:
@@ -192,6 +245,8 @@ def train(a, trainee: Trainee, schedule: list[int] | None, budget: Budget) -> li
     it is the driver and makes one). Returns the schedule it followed. `budget`: what is left
     before the run stops (shared by the trainers)."""
     p = trainee.progress
+    if p["done"]:
+        reopen(a, p, schedule)
     made = [s["epochs"] for s in p["stages"]]
     if p["done"] and not p["ended"] and len(p["stages"]) < len(a.stages):
         p["done"] = False  # it finished a shorter list of stages: on to the longer one's
@@ -205,10 +260,10 @@ def train(a, trainee: Trainee, schedule: list[int] | None, budget: Budget) -> li
             break
         window = a.stages[stage]
         train_set, valid_set = stage_data(a, trainee.seed, stage, window)
-        who, positions = f"{trainee.trainer}/{trainee.seed}", window * len(train_set["inputs"])
+        who = f"{trainee.trainer}/{trainee.seed}"
         budget.resumed(who, p, a)
-        if a.cap_gib and not p["epochs"]:
-            if not budget.allows(who, positions):  # no time left: not even the cap's step
+        if a.cap_gib and not p["epochs"] and not p.get("partial"):
+            if not budget.allows(who, window):  # no time left: not even the cap's step
                 raise Stop
             peak = probe_peak(a, trainee.trainer, window, train_set)
             if peak > a.cap_gib * 1024:
@@ -216,11 +271,8 @@ def train(a, trainee: Trainee, schedule: list[int] | None, budget: Budget) -> li
                 trainee.save()
                 break
         while True:
-            if not budget.allows(who, positions):
-                raise Stop
-            row = trainee.epoch(stage, train_set, valid_set)
+            row = trainee.epoch(stage, window, train_set, valid_set, budget)
             p["epochs"].append(row)
-            budget.spent(who, positions, row["seconds"])
             epochs = len(p["epochs"])
             print(
                 f"  {trainee.trainer} seed {trainee.seed} window {window} epoch {epochs}: "
@@ -247,6 +299,22 @@ def train(a, trainee: Trainee, schedule: list[int] | None, budget: Budget) -> li
     return made
 
 
+def reopen(a, p: dict, schedule: list[int] | None) -> None:
+    """A finished trainer owed more epochs at its last stage trains on there: as the driver, a
+    stage it did not pass within the --max-epochs given then, now more; as a follower, a stage
+    its driver has since given more epochs."""
+    if not p["stages"]:
+        return
+    last, n = p["stages"][-1], len(p["stages"])
+    if schedule is None:
+        owed = last["passed"] is False and last["epochs"] < a.max_epochs
+    else:
+        owed = n <= len(schedule) and last["epochs"] < schedule[n - 1]
+    if owed and n <= len(a.stages) and a.stages[n - 1] == last["window"]:
+        p["stages"].pop()
+        p["epochs"], p["done"], p["ended"] = last["per_epoch"], False, None
+
+
 def stage_row(window: int, epochs: list[dict], passed: bool | None) -> dict:
     last = epochs[-1]
     return {
@@ -264,7 +332,10 @@ def stage_row(window: int, epochs: list[dict], passed: bool | None) -> dict:
 
 def run(a) -> dict:
     """Per seed: the driver first, then every other trainer on its schedule."""
-    budget = Budget(a.stop_after, a.stop_after_s, a.margin)
+    budget = Budget(a.stop_after, a.stop_after_s, a.margin, a.stop_after_windows)
+    for sig in (signal.SIGTERM, signal.SIGINT):  # a run killed saves its epoch part-way first
+        signal.signal(sig, budget.ask_to_stop)
+    print("training; SIGTERM or Ctrl-C stops after the window under way, saved", flush=True)
     runs: dict = {}
     for seed in [a.seed] if a.seed is not None else range(a.seeds):
         order = [a.driver] + [t for t in a.trainers if t != a.driver]
@@ -391,9 +462,15 @@ def arguments(argv: list[str] | None):
         help="stop after this many epochs in all (per process with --parallel)",
     )
     p.add_argument(
+        "--stop-after-windows",
+        type=int,
+        help="stop after this many training windows in all, the epoch saved part-way",
+    )
+    p.add_argument(
         "--stop-after-s",
         type=float,
-        help="stop before an epoch that would end past this many seconds (a call's limit)",
+        help="stop before a window that would end past this many seconds (a call's limit), the "
+        "epoch saved part-way",
     )
     p.add_argument(
         "--parallel",
@@ -405,8 +482,8 @@ def arguments(argv: list[str] | None):
         "--margin",
         type=float,
         default=MARGIN,
-        help="--stop-after-s: an epoch's predicted seconds are its last epoch's per position "
-        "times this (the held-out pass, a longer window, other processes on the device)",
+        help="--stop-after-s: a window's predicted seconds are the last one's per position "
+        "times this (a longer window, other processes on the device)",
     )
     p.add_argument(
         "--table", action="store_true", help="the table of the saved states; nothing trained"
@@ -524,7 +601,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         runs = run(a)
     except Stop:
-        print("stopped (--stop-after or --stop-after-s); --resume continues", flush=True)
+        print("stopped (a limit or a signal), every state saved; --resume continues", flush=True)
         return STOPPED
     if a.child:  # one of --parallel's processes: the table and its files are the parent's
         return 0
@@ -560,8 +637,11 @@ def report(a, runs: dict, start: float) -> int:
         if progress.get("ended"):
             print(f"{key}: {progress['ended']}")
         elif not progress.get("done") and len(progress["stages"]) < len(a.stages):
-            at = a.stages[len(progress["stages"])]
-            print(f"{key}: not finished, at {at} after {len(progress['epochs'])} epochs there")
+            at, part = a.stages[len(progress["stages"])], progress.get("partial")
+            done = f"{len(progress['epochs'])} epochs"
+            if part and part["windows"]:
+                done += f" and {part['windows']} windows of the next"
+            print(f"{key}: not finished, at {at} after {done} there")
         elif not progress.get("done"):
             print(f"{key}: every stage trained, not yet marked finished")
     if a.plot and rows:
@@ -570,7 +650,17 @@ def report(a, runs: dict, start: float) -> int:
     settings = {
         k: v
         for k, v in vars(a).items()
-        if k not in ("resume", "stop_after", "stop_after_s", "parallel", "seed", "table", "plot")
+        if k
+        not in (
+            "resume",
+            "stop_after",
+            "stop_after_s",
+            "stop_after_windows",
+            "parallel",
+            "seed",
+            "table",
+            "plot",
+        )
     }
     out = {"settings": settings, "runs": runs, "summary": rows}
     name = "curriculum.json" if a.seed is None else f"curriculum-seed{a.seed}.json"

@@ -86,7 +86,7 @@ def test_parallel_seeds_give_the_table_of_one_run(tmp_path):
     assert rows(both.stdout) == rows(one.stdout) and len(rows(one.stdout)) == 6
 
 
-def test_a_time_limit_stops_before_an_epoch_and_resumes(tmp_path):
+def test_a_time_limit_stops_before_a_window_and_resumes(tmp_path):
     quick = ("--advance", "0", "--max-epochs", "1")
     stopped = curriculum(tmp_path, *quick, "--stop-after-s", "0")
     assert stopped.returncode == 3 and "--resume continues" in stopped.stdout
@@ -95,20 +95,73 @@ def test_a_time_limit_stops_before_an_epoch_and_resumes(tmp_path):
     assert resumed.returncode == 0 and "one-graph seed 0 window 256 epoch 1" in resumed.stdout
 
 
-def test_a_resumed_trainer_predicts_its_next_epoch_from_its_saved_one():
+def test_a_resumed_trainer_predicts_its_next_window_from_its_saved_epoch():
     import importlib.util
     import types
 
     spec = importlib.util.spec_from_file_location("curriculum", SCRIPT)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    budget = script.Budget(None, 100.0)
+    budget = script.Budget(None, 10.0)
     a = types.SimpleNamespace(stages=[128, 256], train=10)
     saved = {"epochs": [], "stages": [{"window": 128, "per_epoch": [{"seconds": 60.0}]}]}
-    assert budget.allows("exact/0", 256 * 10)  # nothing known: it starts
-    budget.resumed("exact/0", saved, a)  # 60 s for 1,280 positions, with the margin
-    assert not budget.allows("exact/0", 256 * 10)  # 180 s > 100 s left
-    assert budget.allows("exact/0", 128 * 10)  # 90 s
+    assert budget.allows("exact/0", 256)  # nothing known: it starts
+    budget.resumed("exact/0", saved, a)  # 6 s a window of 128, with the margin 9 s
+    assert not budget.allows("exact/0", 256)  # 18 s > 10 s left
+    assert budget.allows("exact/0", 128)
+
+
+def test_a_run_stopped_inside_an_epoch_resumes_to_the_same_numbers(tmp_path):
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    quick = ("--advance", "0", "--max-epochs", "1")
+    assert curriculum(whole, *quick).returncode == 0
+    stopped = curriculum(parts, *quick, "--stop-after-windows", "4")  # 6 windows an epoch
+    assert stopped.returncode == 3 and " epoch " not in stopped.stdout
+    shown = curriculum(parts, *quick, "--table")
+    assert "one-graph/0: not finished, at 128 after 0 epochs and 4 windows of the next" in (
+        shown.stdout
+    )
+    again = curriculum(parts, *quick, "--resume", "--stop-after-windows", "5")
+    assert again.returncode == 3 and "one-graph seed 0 window 128 epoch 1" in again.stdout
+    resumed = curriculum(parts, *quick, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    want, got = scores(whole), scores(parts)
+    assert want.keys() == got.keys()
+    for key in want:  # a window trained twice or skipped would move every later number
+        for (w0, e0, a0, l0), (w1, e1, a1, l1) in zip(want[key], got[key], strict=True):
+            assert (w0, e0, a0) == (w1, e1, a1) and abs(l0 - l1) <= 1e-6 * abs(l0), key
+
+
+def test_a_run_sent_sigterm_saves_its_epoch_part_way(tmp_path):
+    import signal
+    import time
+
+    small = ["--stages", "128", "--chunk", "32", "--train", "2000", "--valid", "4"]
+    small += ["--width", "32", "--layers", "1", "--trainers", "one-graph", "--seeds", "1"]
+    cmd = [sys.executable, str(SCRIPT), *small, "--out", str(tmp_path)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout.readline().startswith("training;")  # the handler is in place
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 3 and "every state saved" in out, out[-2000:]
+    progress = json.loads((tmp_path / "state" / "one-graph-seed0" / "progress.json").read_text())
+    assert 0 < progress["partial"]["windows"] < 2000 and not progress["epochs"]
+
+
+def test_a_driver_given_more_epochs_trains_its_last_stage_on(tmp_path):
+    once, twice = tmp_path / "once", tmp_path / "twice"
+    never = ("--advance", "1.01")  # the driver never passes: it ends at the first stage
+    assert curriculum(twice, *never, "--max-epochs", "2").returncode == 0
+    assert curriculum(once, *never, "--max-epochs", "1").returncode == 0
+    more = curriculum(once, *never, "--max-epochs", "2", "--resume")
+    assert more.returncode == 0, more.stderr[-2000:]
+    for trainer in ("one-graph", "exact", "plain"):  # the followers too: owed the driver's epoch
+        assert f"{trainer} seed 0 window 128 epoch 2" in more.stdout
+        assert f"{trainer} seed 0 window 128 epoch 1" not in more.stdout
+    assert scores(once) == scores(twice)
+    again = curriculum(once, *never, "--max-epochs", "2", "--resume")
+    assert again.returncode == 0 and " epoch " not in again.stdout  # nothing more owed
 
 
 def test_the_table_of_a_stopped_run_says_where_each_trainer_stands(tmp_path):
