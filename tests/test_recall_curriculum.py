@@ -210,3 +210,15 @@ def test_a_fresh_parallel_run_resumes_no_earlier_state(tmp_path):
     assert log.count("plain seed 0 window 128 epoch 1") == 2  # trained again, not restored
     settings = json.loads((tmp_path / "curriculum.json").read_text())["settings"]
     assert settings["lr"] == 3e-3 and not list(tmp_path.glob("curriculum-seed*.json"))
+
+
+def test_the_gradient_check_reads_a_saved_model(tmp_path):
+    assert curriculum(tmp_path, "--advance", "0", "--max-epochs", "1").returncode == 0
+    check = SCRIPT.parent / "recall-gradient.py"
+    cmd = [sys.executable, str(check), "--out", str(tmp_path), "--trainer", "exact"]
+    cmd += ["--window", "256", "--chunk", "32", "--width", "32", "--layers", "1"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    worst = float(done.stdout.split("worst exact rel L2: ")[1])
+    plain = [float(x.split()[0]) for x in done.stdout.split("plain rel L2 ")[1:]]
+    assert worst < 1e-5 and min(plain) > 1e-2  # exact to rounding; the cut gradient is not

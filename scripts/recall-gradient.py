@@ -1,0 +1,95 @@
+#!/usr/bin/env python3
+"""The exact walk's gradient against one graph's on a recall-curriculum trainer's saved model.
+
+Loads `--out/state/TRAINER-seedS/model.safetensors` (scripts/recall-curriculum.py's state), takes
+--windows held-out conversations of --window positions (the curriculum's data), and prints per
+window the relative L2 error and cosine of the exact walk's gradient against one graph's, and the
+plain walk's for contrast (float32). One graph's graph at a long window is large: this is the check
+that a stage the exact walk trains slowly is its optimisation, not its gradient.
+
+    scripts/recall-gradient.py --out runs/rc64cap --trainer exact --seed 2 --window 8192 --chunk 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("recall_bench", ROOT / "scripts" / "recall.py")
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)  # first: it sets OpenBLAS's threads before MLX loads it
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+from mlx.utils import tree_flatten  # noqa: E402
+
+from mlxwalk import recall  # noqa: E402
+from mlxwalk.training import files  # noqa: E402
+from mlxwalk.walk import window_gradient  # noqa: E402
+
+
+def flat(grads: dict) -> np.ndarray:
+    return np.concatenate([np.asarray(g, np.float64).ravel() for _, g in tree_flatten(grads)])
+
+
+def compare(model, data: dict, i: int, chunk: int) -> dict:
+    """Relative L2 and cosine of the exact and plain walks' gradients against one graph's."""
+    x, y, w = (data[k][i : i + 1] for k in ("inputs", "targets", "weights"))  # (1, window)
+    row = {}
+    start = time.perf_counter()
+    loss, ref = window_gradient(model, x, y, w, chunk=chunk, walk="one-graph")
+    row["one-graph s"], ref = time.perf_counter() - start, flat(ref)
+    for walk in ("exact", "plain"):
+        start = time.perf_counter()
+        walk_loss, got = window_gradient(model, x, y, w, chunk=chunk, walk=walk)
+        got = flat(got)
+        row[f"{walk} s"] = time.perf_counter() - start
+        row[f"{walk} rel L2"] = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+        row[f"{walk} cosine"] = float(got @ ref / (np.linalg.norm(got) * np.linalg.norm(ref)))
+        row[f"{walk} loss"] = walk_loss
+    row["loss"] = loss
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", required=True, help="the curriculum run's --out")
+    p.add_argument("--trainer", default="exact")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--window", type=int, required=True)
+    p.add_argument("--chunk", type=int, required=True)
+    p.add_argument("--windows", type=int, default=2, help="held-out conversations to check")
+    p.add_argument("--width", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--rope-theta", type=float, default=1e4)
+    a = p.parse_args(argv)
+    state = Path(a.out) / "state" / f"{a.trainer}-seed{a.seed}" / "model.safetensors"
+    if not state.exists():
+        print(f"error: no saved model at {state}", file=sys.stderr)
+        return 2
+    model = bench.build_model(a.seed, a.width, a.layers, rope_theta=a.rope_theta)
+    model.load_weights(list(files.load_safetensors(state).items()))
+    mx.eval(model.parameters())
+    data = recall.dataset(bench.VALID_SEED + 99, a.windows, a.window, a.chunk)
+    print(f"{state}: window {a.window} in chunks of {a.chunk} ({a.window // a.chunk} chunks)")
+    worst = 0.0
+    for i in range(a.windows):
+        row = compare(model, data, i, a.chunk)
+        worst = max(worst, row["exact rel L2"])
+        print(
+            f"  window {i}: loss {row['loss']:.4f}; exact rel L2 {row['exact rel L2']:.2e} "
+            f"cosine {row['exact cosine']:.8f}; plain rel L2 {row['plain rel L2']:.2e} cosine "
+            f"{row['plain cosine']:.4f}; seconds one graph {row['one-graph s']:.1f}, exact "
+            f"{row['exact s']:.1f}, plain {row['plain s']:.1f}",
+            flush=True,
+        )
+    print(f"worst exact rel L2: {worst:.2e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
