@@ -65,9 +65,12 @@ from mlxwalk import recall  # noqa: E402
 from mlxwalk.training import files  # noqa: E402
 from mlxwalk.walk import WalkConfig  # noqa: E402
 
+# options that say how this call runs, not what is measured: left out of the JSON's settings
+RUN_ONLY = ("resume", "stop_after", "stop_after_s", "stop_after_windows", "parallel", "seed")
+RUN_ONLY += ("table", "plot")
 STOPPED = 3  # the exit status of a run stopped by --stop-after
-# an epoch's predicted seconds over its training loop's per position at the last window: the
-# held-out pass and the saves besides, and a longer window's attention
+# a window's predicted seconds over the last window's per position: a longer window's attention,
+# other processes on the device
 MARGIN = 1.5
 
 
@@ -193,7 +196,7 @@ class Trainee:
         part-way (`partial`) and Stop raised; a resumed one goes on from the next window."""
         p, who = self.progress, f"{self.trainer}/{self.seed}"
         fresh = {"epoch": len(p["epochs"]) + 1, "windows": 0, "loss": 0.0, "seconds": 0.0}
-        part = p["partial"] = p.get("partial") or fresh | {"peak_mib": 0.0}
+        part = p["partial"] = p.get("partial") or {**fresh, "peak_mib": 0.0}
         order = np.random.default_rng([self.seed, stage, part["epoch"]]).permutation(
             len(train["inputs"])
         )
@@ -647,21 +650,7 @@ def report(a, runs: dict, start: float) -> int:
     if a.plot and rows:
         plot(rows, a.plot, f"recall by curriculum, chunk {a.chunk}, seeds {seeds}")
         print(f"plot: {a.plot}")
-    settings = {
-        k: v
-        for k, v in vars(a).items()
-        if k
-        not in (
-            "resume",
-            "stop_after",
-            "stop_after_s",
-            "stop_after_windows",
-            "parallel",
-            "seed",
-            "table",
-            "plot",
-        )
-    }
+    settings = {k: v for k, v in vars(a).items() if k not in RUN_ONLY}
     out = {"settings": settings, "runs": runs, "summary": rows}
     name = "curriculum.json" if a.seed is None else f"curriculum-seed{a.seed}.json"
     files.write_text(Path(a.out) / name, json.dumps(out, indent=1))
