@@ -404,9 +404,20 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def plot(rows: list[dict], path: str, title: str) -> None:
+def endings(runs: dict) -> list[str]:
+    """How runs ended early, one line per trainer and reason: "one-graph: over the cap at 8192:
+    2581 MiB (seeds 0, 1, 2)"."""
+    seeds: dict[str, list[str]] = {}
+    for key, progress in runs.items():
+        if progress.get("ended"):
+            trainer, seed = key.split("/")
+            seeds.setdefault(f"{trainer}: {progress['ended']}", []).append(seed)
+    return [f"{why} (seeds {', '.join(s)})" for why, s in seeds.items()]
+
+
+def plot(rows: list[dict], path: str, title: str, notes: list[str] = ()) -> None:
     """Held-out accuracy per stage: each trainer's mean over the seeds that reached the stage,
-    the band its range, chance dotted."""
+    the band its range, chance dotted; notes (how runs ended early) written under the curves."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -430,6 +441,8 @@ def plot(rows: list[dict], path: str, title: str) -> None:
         title=title,
     )
     ax.legend(loc="center right", fontsize="small")
+    if notes:
+        ax.text(0.98, 0.14, "\n".join(notes), transform=ax.transAxes, ha="right", fontsize="small")
     fig.tight_layout()
     files.atomic_write(Path(path), lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
 
@@ -648,7 +661,9 @@ def report(a, runs: dict, start: float) -> int:
         elif not progress.get("done"):
             print(f"{key}: every stage trained, not yet marked finished")
     if a.plot and rows:
-        plot(rows, a.plot, f"recall by curriculum, chunk {a.chunk}, seeds {seeds}")
+        cap = f", cap {a.cap_gib:g} GiB" if a.cap_gib else ""
+        title = f"recall by curriculum, chunk {a.chunk}{cap}, seeds {seeds}"
+        plot(rows, a.plot, title, endings(runs))
         print(f"plot: {a.plot}")
     settings = {k: v for k, v in vars(a).items() if k not in RUN_ONLY}
     out = {"settings": settings, "runs": runs, "summary": rows}

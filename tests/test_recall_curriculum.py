@@ -95,13 +95,19 @@ def test_a_time_limit_stops_before_a_window_and_resumes(tmp_path):
     assert resumed.returncode == 0 and "one-graph seed 0 window 256 epoch 1" in resumed.stdout
 
 
-def test_a_resumed_trainer_predicts_its_next_window_from_its_saved_epoch():
+def load_script():
     import importlib.util
-    import types
 
     spec = importlib.util.spec_from_file_location("curriculum", SCRIPT)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
+    return script
+
+
+def test_a_resumed_trainer_predicts_its_next_window_from_its_saved_epoch():
+    import types
+
+    script = load_script()
     budget = script.Budget(None, 10.0)
     a = types.SimpleNamespace(stages=[128, 256], train=10)
     saved = {"epochs": [], "stages": [{"window": 128, "per_epoch": [{"seconds": 60.0}]}]}
@@ -175,6 +181,20 @@ def test_the_table_of_a_stopped_run_says_where_each_trainer_stands(tmp_path):
     assert "| plain |" not in shown.stdout  # not started
     assert "exact/0: not finished, at 256 after 0 epochs there" in shown.stdout
     assert "one-graph/0" not in shown.stdout  # finished without a note
+
+
+def test_the_figure_notes_each_early_ending_once_with_its_seeds():
+    over = "over the cap at 8192: 2581 MiB"
+    runs = {
+        "one-graph/0": {"ended": over},
+        "one-graph/2": {"ended": over},
+        "exact/0": {"ended": None},
+        "exact/1": {"ended": "did not reach 0.9 at 8192"},
+    }
+    assert load_script().endings(runs) == [
+        f"one-graph: {over} (seeds 0, 2)",
+        "exact: did not reach 0.9 at 8192 (seeds 1)",
+    ]
 
 
 def test_a_finished_run_goes_on_to_added_stages_with_the_exact_walk_driving(tmp_path):
