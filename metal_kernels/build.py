@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parent
 BACKENDS = ("metal", "cuda")
 _SOURCE = {"metal": ".metal", "cuda": ".cu"}
 _HEADER = {"metal": ".metal", "cuda": ".cuh"}
+MMA = ROOT / "mma.cuh"  # the CUDA tensor-core primitives (mma.sync, ldmatrix, cp.async)
 
 
 @dataclass(frozen=True)
@@ -19,13 +20,15 @@ class Spec:
     """A kernel: its source stem under metal_kernels/ (`attention/forward` reads
     `attention/forward.metal` or `.cu`, and the folder's headers, `common.metal` or `.cuh` by
     default, as the header), the names of its buffers in the order they are passed, and the
-    backends it has a source for."""
+    backends it has a source for. A kernel on the tensor cores takes mma.cuh ahead of its
+    headers in CUDA."""
 
     stem: str
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     headers: tuple[str, ...] = ("common",)
     backends: tuple[str, ...] = ("metal", "cuda")
+    tensor_cores: bool = False
 
     @property
     def name(self) -> str:
@@ -56,11 +59,17 @@ def current_backend() -> str | None:
     return None
 
 
+def header_files(spec: Spec, backend: str) -> list[Path]:
+    """The files of a kernel's header for a backend, in order."""
+    folder = (ROOT / spec.stem).parent
+    files = [folder / (h + _HEADER[backend]) for h in spec.headers]
+    return [MMA, *files] if backend == "cuda" and spec.tensor_cores else files
+
+
 def source(spec: Spec, backend: str) -> tuple[str, str]:
     """(header, body) of a kernel for a backend."""
-    path = ROOT / (spec.stem + _SOURCE[backend])
-    headers = [path.parent / (h + _HEADER[backend]) for h in spec.headers]
-    return "\n".join(h.read_text() for h in headers), path.read_text()
+    header = "\n".join(h.read_text() for h in header_files(spec, backend))
+    return header, (ROOT / (spec.stem + _SOURCE[backend])).read_text()
 
 
 @cache

@@ -24,7 +24,7 @@ import mlx.core as mx
 import metal_kernels.attention as A
 import metal_kernels.delta as delta_kernels
 from metal_kernels import cuda_source
-from metal_kernels.build import ROOT
+from metal_kernels.build import header_files
 from metal_kernels.delta import blocks as delta_blocks
 from metal_kernels.delta import chunked
 
@@ -186,8 +186,7 @@ def main() -> int:
                 labels.append(label)
                 calls.append(call)
                 units.append(cuda_source.render(call, f"k{len(units)}", header=False))
-                for h in call.spec.headers:  # each header file once, in order of first use
-                    path = ROOT / call.spec.stem.rsplit("/", 1)[0] / f"{h}.cuh"
+                for path in header_files(call.spec, "cuda"):  # each once, in order of first use
                     headers.setdefault(path, path.read_text())
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "kernels.cu"

@@ -138,7 +138,7 @@ def test_half_precision_within_the_twins_own_error(dtype, dim, t, hk, hv):
 
 
 def _fingerprint() -> str:
-    files = sorted((ROOT / "delta").glob("*.cu")) + [ROOT / "delta" / "tiles.cuh"]
+    files = sorted((ROOT / "delta").glob("*.cu")) + [ROOT / "delta" / "tiles.cuh", ROOT / "mma.cuh"]
     return hashlib.sha256(b"".join(p.read_bytes() for p in files)).hexdigest()
 
 

@@ -1,133 +1,16 @@
 // Tensor-core helpers for the CUDA-only half-precision attention kernels (*_tc.cu), in the shape
-// of FlashAttention-2: warp-level mma.sync.m16n8k16 products with float32 accumulators in
-// registers, operands read from shared memory with ldmatrix (rows padded by 16 bytes, so the
-// eight rows of an 8x8 matrix fall in eight different groups of four banks), tiles copied from
-// global memory with cp.async (zero-filled past the data) and double buffered.
-//
-// Fragment layouts (PTX ISA, mma.m16n8k16 with .bf16/.f16 inputs), g = lane / 4, t = lane % 4:
-//   A 16x16 (row-major), four 32-bit registers of two elements: a0 (g, 2t..2t+1),
-//     a1 (g+8, 2t..), a2 (g, 2t+8..), a3 (g+8, 2t+8..);
-//   B 16x8 (k x n), two registers: b0 (k = 2t..2t+1, n = g), b1 (k = 2t+8.., n = g);
-//   C/D 16x8 float: c0, c1 (g, 2t..2t+1), c2, c3 (g+8, 2t..2t+1).
-// So the C fragments of two neighbouring n-tiles are, once packed to T, the A fragment of one
-// 16-wide k-step: the probabilities P (and dS) never leave the registers that computed them.
-//
-// Built with NVRTC by MLX (mx.fast.cuda_kernel, sm_90a there) and with nvcc by
-// scripts/compile-cuda.py; MLXWALK_EMULATE swaps the PTX for the CPU emulator's stand-ins
-// (metal_kernels/cuda_emulator), which runs these bodies lane by lane.
+// of FlashAttention-2, over the primitives of metal_kernels/mma.cuh (which comes first in their
+// header list, with the fragment layouts): operands read from shared memory with ldmatrix (rows
+// padded by 16 bytes, so the eight rows of an 8x8 matrix fall in eight different groups of four
+// banks), tiles copied from global memory with cp.async and double buffered. The C fragments of
+// two neighbouring n-tiles are, once packed to T, the A fragment of one 16-wide k-step: the
+// probabilities P (and dS) never leave the registers that computed them.
 
 namespace mlxwalk_tc {
-using u32 = unsigned int;
 constexpr int PAD = 8;  // elements of padding per shared row: 16 bytes (see above)
 constexpr float LOG2E = 1.4426950408889634f;
 __device__ __forceinline__ float neg_inf() { return -__int_as_float(0x7f800000); }
 
-template <typename A, typename B>
-struct same_type {
-  static constexpr bool value = false;
-};
-template <typename A>
-struct same_type<A, A> {
-  static constexpr bool value = true;
-};
-}  // namespace mlxwalk_tc
-
-#ifndef MLXWALK_EMULATE
-namespace mlxwalk_tc {
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-  return static_cast<u32>(__cvta_generic_to_shared(p));
-}
-
-// Two floats as one register of two T, `lo` in the low half (the lower column).
-template <typename T>
-__device__ __forceinline__ u32 pack2(float lo, float hi);
-template <>
-__device__ __forceinline__ u32 pack2<__nv_bfloat16>(float lo, float hi) {
-  u32 r;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-template <>
-__device__ __forceinline__ u32 pack2<__half>(float lo, float hi) {
-  u32 r;
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-
-template <typename X>
-__device__ __forceinline__ float to_float(X x) {
-  return static_cast<float>(x);
-}
-template <>
-__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) {
-  return __bfloat162float(x);
-}
-template <>
-__device__ __forceinline__ float to_float<__half>(__half x) {
-  return __half2float(x);
-}
-
-// c += a . b, one m16n8k16 product (float32 accumulators).
-template <typename T>
-__device__ __forceinline__ void mma(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-  if constexpr (same_type<T, __nv_bfloat16>::value) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-}
-
-// Four 8x8 matrices of 16-bit elements: lane l gives the address of row l % 8 of matrix l / 8;
-// r[i] receives row g, columns 2t, 2t+1 of matrix i (with .trans: column g, rows 2t, 2t+1).
-__device__ __forceinline__ void ldsm_x4(u32 (&r)[4], u32 addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-__device__ __forceinline__ void ldsm_x4_t(u32 (&r)[4], u32 addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
-// 16 (or 4) bytes from global to shared memory, asynchronously; `valid` false: zeros instead
-// (the source is then not read).
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
-               "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async4(u32 dst, const void* src, bool valid) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src),
-               "r"(valid ? 4 : 0));
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;"); }
-template <int N>
-__device__ __forceinline__ void cp_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N));
-}
-
-__device__ __forceinline__ float ex2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-// A barrier for `threads` threads (a multiple of 32) under id (1..15; 0 is __syncthreads').
-__device__ __forceinline__ void bar_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
-}  // namespace mlxwalk_tc
-#endif
-
-namespace mlxwalk_tc {
 // Eight elements of S at src, converted to T, into shared memory at dst (16 bytes): the
 // store's rows when its dtype is not the model's (a float32 store under bfloat16 queries).
 template <typename T, typename S>

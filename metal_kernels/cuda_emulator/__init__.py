@@ -7,7 +7,7 @@ What this checks: the bodies' indexing, fragment layouts, masking, pipelining (a
 cp.async destination before its wait reads NaN), barriers (a deadlock is reported), shared
 memory bounds. What it cannot: NVRTC or ptxas (scripts/compile-cuda.py builds the same source
 with nvcc), a GPU's scheduling or memory ordering, and speed. Kernels written for it use only the
-primitives of common_tc.cuh: the tensor-core kernels; not the scalar `.cu` ones.
+primitives of metal_kernels/mma.cuh: the tensor-core kernels; not the scalar `.cu` ones.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
-// The CPU stand-in for the CUDA the tensor-core attention bodies use (metal_kernels/attention/
-// *_tc.cu through common_tc.cuh), compiled with g++ in place of NVRTC: every thread of a block is
+// The CPU stand-in for the CUDA the tensor-core bodies use (attention/*_tc.cu and delta/*.cu,
+// through the primitives of metal_kernels/mma.cuh), compiled with g++ in place of NVRTC: every thread of a block is
 // a fiber (ucontext), switched only where CUDA threads meet (barriers and warp collectives), one
 // block at a time. What it models, after the PTX ISA:
 //   ldmatrix.x4 (and .trans): lane l gives the address of row l % 8 of matrix l / 8; register i
 //     of lane l receives row l / 4, columns 2 (l % 4) and + 1 of matrix i (transposed: column
 //     l / 4 of rows 2 (l % 4) and + 1), the lower column or row in the low half;
 //   mma.m16n8k16 (.row.col, f32 accumulators, bf16 or f16 inputs): the fragment layouts written
-//     in common_tc.cuh, the product summed in float32 over k;
+//     in mma.cuh, the product summed in float32 over k;
 //   cp.async: the destination reads as NaN (0xFF bytes) from the copy's issue until its thread's
 //     cp.async.wait_group retires it, so a read before the wait or a barrier shows;
 //   bar.sync with an id and a count, __syncthreads, __syncwarp, __shfl_xor_sync; a barrier that

@@ -57,7 +57,7 @@ def _spec(stem: str, inputs: tuple[str, ...], outputs: tuple[str, ...]) -> Spec:
     found = tuple(
         b for b, ext in (("metal", ".metal"), ("cuda", ".cu")) if (ROOT / (stem + ext)).exists()
     )
-    return Spec(stem, inputs, outputs, headers=("tiles",), backends=found)
+    return Spec(stem, inputs, outputs, headers=("tiles",), backends=found, tensor_cores=True)
 
 
 PREPARE = _spec("delta/prepare", ("k", "v", "log_g", "beta", "params"), ("cum", "w", "u", "tri"))

@@ -1,8 +1,7 @@
 // The chunked gated delta rule on tensor cores (CUDA): the header of prepare.cu, states.cu,
 // output.cu, states_back.cu, grads.cu and prepare_back.cu (tiles.metal's CUDA counterpart).
-// Self-contained (MLX hands NVRTC one header string): its own mma.sync/ldmatrix/cp.async
-// wrappers in namespace mlxwalk_dt, the same primitives as attention/common_tc.cuh's, whose CPU
-// emulator stand-ins (metal_kernels/cuda_emulator) take their place under MLXWALK_EMULATE.
+// Over the tensor-core primitives of metal_kernels/mma.cuh (first in its header list; the CPU
+// emulator's stand-ins under MLXWALK_EMULATE), taken into namespace mlxwalk_dt.
 //
 // Precision. q, k, v (and dy) arrive in T: float16/bfloat16 (the tensor-core path) or float32
 // (the FMA path). Everything derived from them (the WY factors T, w, u, the states h, v_new, the
@@ -31,101 +30,25 @@
 // k-step on the way: a product's result feeds the next product without leaving the registers.
 
 namespace mlxwalk_dt {
-using u32 = unsigned int;
-template <typename A, typename B>
-struct same_type {
-  static constexpr bool value = false;
-};
-template <typename A>
-struct same_type<A, A> {
-  static constexpr bool value = true;
-};
+using mlxwalk_tc::bar_sync;
+using mlxwalk_tc::cp_async16;
+using mlxwalk_tc::cp_async4;
+using mlxwalk_tc::cp_commit;
+using mlxwalk_tc::cp_wait;
+using mlxwalk_tc::ex2;
+using mlxwalk_tc::ldsm_x4;
+using mlxwalk_tc::ldsm_x4_t;
+using mlxwalk_tc::mma;
+using mlxwalk_tc::pack2;
+using mlxwalk_tc::same_type;
+using mlxwalk_tc::smem_addr;
+using mlxwalk_tc::to_float;
+using mlxwalk_tc::u32;
 }  // namespace mlxwalk_dt
 
+// x rounded to T (to nearest even), as a float.
 #ifndef MLXWALK_EMULATE
 namespace mlxwalk_dt {
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-  return static_cast<u32>(__cvta_generic_to_shared(p));
-}
-// Two floats as one register of two T, `lo` in the low half.
-template <typename T>
-__device__ __forceinline__ u32 pack2(float lo, float hi);
-template <>
-__device__ __forceinline__ u32 pack2<__nv_bfloat16>(float lo, float hi) {
-  u32 r;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-template <>
-__device__ __forceinline__ u32 pack2<__half>(float lo, float hi) {
-  u32 r;
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-template <typename X>
-__device__ __forceinline__ float to_float(X x) {
-  return static_cast<float>(x);
-}
-template <>
-__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) {
-  return __bfloat162float(x);
-}
-template <>
-__device__ __forceinline__ float to_float<__half>(__half x) {
-  return __half2float(x);
-}
-// c += a . b, one m16n8k16 product (float32 accumulators).
-template <typename T>
-__device__ __forceinline__ void mma(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-  if constexpr (same_type<T, __nv_bfloat16>::value) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-}
-// Four 8x8 matrices of 16-bit elements (lane l: the address of row l % 8 of matrix l / 8).
-__device__ __forceinline__ void ldsm_x4(u32 (&r)[4], u32 addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-__device__ __forceinline__ void ldsm_x4_t(u32 (&r)[4], u32 addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-// 16 (or 4) bytes from global to shared memory, asynchronously; `valid` false: zeros.
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
-               "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async4(u32 dst, const void* src, bool valid) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src),
-               "r"(valid ? 4 : 0));
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;"); }
-template <int N>
-__device__ __forceinline__ void cp_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N));
-}
-__device__ __forceinline__ float ex2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-// A barrier for `threads` threads (a multiple of 32) under id (1..15; 0 is __syncthreads').
-__device__ __forceinline__ void bar_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
-// x rounded to T (to nearest even), as a float.
 template <typename T>
 __device__ __forceinline__ float round_to(float x);
 template <>
@@ -145,18 +68,6 @@ __device__ __forceinline__ float round_to<__half>(float x) {
 }  // namespace mlxwalk_dt
 #else
 namespace mlxwalk_dt {
-using mlxwalk_tc::bar_sync;
-using mlxwalk_tc::cp_async16;
-using mlxwalk_tc::cp_async4;
-using mlxwalk_tc::cp_commit;
-using mlxwalk_tc::cp_wait;
-using mlxwalk_tc::ex2;
-using mlxwalk_tc::ldsm_x4;
-using mlxwalk_tc::ldsm_x4_t;
-using mlxwalk_tc::mma;
-using mlxwalk_tc::pack2;
-using mlxwalk_tc::smem_addr;
-using mlxwalk_tc::to_float;
 template <typename T>
 inline float round_to(float x);
 template <>
