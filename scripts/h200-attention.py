@@ -40,16 +40,16 @@ import importlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 import traceback
 from pathlib import Path
 
+from mlxwalk import jobs
+
 ROOT = Path(__file__).resolve().parent.parent
 
 GIB = 1024**3
-MARK = "RESULT "
 GOALS_MS = {64: 18.0, 128: 25.0, 256: 54.0}  # the new kernels' fwd+bwd at the benchmark shape
 
 
@@ -218,7 +218,7 @@ def job_check(dim: int, cases: list[int], emulate: bool) -> None:
         except Exception as e:  # a compile error, a launch failure: this case's row
             row.update(ok=False, error=f"{type(e).__name__}: {str(e).strip()[-300:]}")
             traceback.print_exc()
-        print(MARK + json.dumps({"kind": "check", **row}), flush=True)
+        jobs.emit({"kind": "check", **row})
 
 
 def bench_inputs(dim: int, a) -> dict:
@@ -347,29 +347,21 @@ def job_time(dim: int, variant: str, a) -> None:
             except Exception as e:
                 row = {"error": f"{type(e).__name__}: {str(e).strip()[-300:]}"}
                 traceback.print_exc()
-            print(
-                MARK
-                + json.dumps({"kind": "time", "dim": dim, "variant": variant, "part": part, **row}),
-                flush=True,
-            )
+            jobs.emit({"kind": "time", "dim": dim, "variant": variant, "part": part, **row})
             if "error" in row and part == "fwd+bwd":
                 break
         return
     s, over = timed(mlx_step(variant, x), a.repeats)
-    print(
-        MARK
-        + json.dumps(
-            {
-                "kind": "time",
-                "dim": dim,
-                "variant": variant,
-                "part": "fwd+bwd",
-                "ms": s * 1e3,
-                "peak_gib": over / GIB,
-                "tflops": 3.5 * flops / s / 1e12,
-            }
-        ),
-        flush=True,
+    jobs.emit(
+        {
+            "kind": "time",
+            "dim": dim,
+            "variant": variant,
+            "part": "fwd+bwd",
+            "ms": s * 1e3,
+            "peak_gib": over / GIB,
+            "tflops": 3.5 * flops / s / 1e12,
+        }
     )
 
 
@@ -446,13 +438,7 @@ def job_torch(dims: list[int], a) -> None:
     for dim in dims:
         row = torch_one(dim, a)
         torch.cuda.empty_cache()
-        print(
-            MARK
-            + json.dumps(
-                {"kind": "time", "dim": dim, "variant": "torch", "part": "fwd+bwd", **row}
-            ),
-            flush=True,
-        )
+        jobs.emit({"kind": "time", "dim": dim, "variant": "torch", "part": "fwd+bwd", **row})
 
 
 def sweep_shapes(dim: int) -> dict:
@@ -519,7 +505,7 @@ def job_sweep(dim: int, a) -> None:
                 row.update(ms=s * 1e3, tflops=executed[kernel] / 2 * flops / s / 1e12)
             except Exception as e:
                 row["error"] = f"{type(e).__name__}: {str(e).strip()[-200:]}"
-            print(MARK + json.dumps(row), flush=True)
+            jobs.emit(row)
             mx.clear_cache()
 
 
@@ -539,22 +525,7 @@ def run_job(spec: dict, a) -> None:
 # The orchestrator
 
 
-class Log:
-    def __init__(self, out: str | None):
-        self.file = None
-        if out:
-            Path(out).mkdir(parents=True, exist_ok=True)
-            self.file = open(Path(out) / "h200-attention.log", "w")  # noqa: SIM115
-
-    def __call__(self, text: str, echo: bool = True) -> None:
-        if echo:
-            print(text, flush=True)
-        if self.file:
-            self.file.write(text + "\n")
-            self.file.flush()
-
-
-def spawn(spec: dict, a, timeout: float, log: Log) -> tuple[list[dict], str]:
+def spawn(spec: dict, a, timeout: float, log: jobs.Log) -> tuple[list[dict], str]:
     """Run one job in a child; (its results, '' or why it ended early)."""
     cmd = [
         sys.executable,
@@ -570,24 +541,7 @@ def spawn(spec: dict, a, timeout: float, log: Log) -> tuple[list[dict], str]:
         "--heads",
         *map(str, a.heads),
     ] + (["--emulate"] if a.emulate else [])
-    t0 = time.perf_counter()
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=max(1.0, timeout))
-        out, err, why = done.stdout, done.stderr, ""
-        if done.returncode:
-            last = (err.strip().splitlines() or ["(no output)"])[-1]
-            why = f"exit {done.returncode}: {last[-200:]}"
-    except subprocess.TimeoutExpired as e:
-        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
-        why = f"timed out after {timeout:.0f} s"
-    log(
-        f"## job {json.dumps(spec)} ({time.perf_counter() - t0:.1f} s){' ' + why if why else ''}",
-        echo=False,
-    )
-    log(out + ("\n[stderr]\n" + err[-8000:] if err.strip() else ""), echo=False)
-    results = [json.loads(line[len(MARK) :]) for line in out.splitlines() if line.startswith(MARK)]
-    return results, why
+    return jobs.run(cmd, spec, timeout, log)
 
 
 def check_table(rows: list[dict]) -> list[str]:
@@ -679,7 +633,7 @@ def main() -> int:
 
     t_start = time.perf_counter()
     deadline = t_start + a.budget
-    log = Log(os.environ.get("OUT"))
+    log = jobs.Log(os.environ.get("OUT"), "h200-attention")
     mx = _mx()
     device = "CPU emulator" if a.emulate else str(mx.default_device())
     log(
@@ -691,24 +645,24 @@ def main() -> int:
     cases = (
         a.cases if a.cases is not None else (list(QUICK) if a.emulate else list(range(len(CASES))))
     )
-    jobs = []
+    queue = []
     if "check" in a.parts:
-        jobs += [
+        queue += [
             ({"kind": "check", "dim": d, "cases": cases}, 150.0 if not a.emulate else 3600.0)
             for d in a.dims
         ]
     if "time" in a.parts:
         for d in a.dims:
-            jobs += [
+            queue += [
                 ({"kind": "time", "dim": d, "variant": v}, 60.0) for v in a.variants if v != "torch"
             ]
         if "torch" in a.variants:
-            jobs.append(({"kind": "torch", "dims": a.dims}, 90.0))
+            queue.append(({"kind": "torch", "dims": a.dims}, 90.0))
     if "sweep" in a.parts:
-        jobs += [({"kind": "sweep", "dim": d}, 120.0) for d in a.dims]
+        queue += [({"kind": "sweep", "dim": d}, 120.0) for d in a.dims]
 
     results: list[dict] = []
-    for spec, limit in jobs:
+    for spec, limit in queue:
         left = deadline - time.perf_counter()
         if left < 10 and not a.emulate:
             log(f"skipped (time budget): {json.dumps(spec)}")

@@ -52,14 +52,14 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 import traceback
 from pathlib import Path
 
+from mlxwalk import jobs
+
 GIB = 1024**3
-MARK = "RESULT "
 LAYER = {"hk": 16, "hv": 32, "dim": 128}  # Qwen3.5's gated delta-net layer
 LENGTHS = (4096, 16384, 65536)
 GOAL_MS = 12.0  # the new kernels' forward+backward at 16K
@@ -320,11 +320,11 @@ def job_check(cases: list[int], emulate: bool) -> None:
             x = inputs(batch, t, hk, hv, dim, dtype, seed=i)
             half = dtype != "f32"
             for r in [*kernel_rows(x, run, half), op_row(x, run, half)]:
-                print(MARK + json.dumps({**base, **r}), flush=True)
+                jobs.emit({**base, **r})
         except Exception as e:  # a compile error, a launch failure: this case's row
             traceback.print_exc()
             row = {**base, "kernel": "(case)", "ok": False, "error": f"{type(e).__name__}: {e}"}
-            print(MARK + json.dumps(row), flush=True)
+            jobs.emit(row)
         print(f"case {name}: {time.perf_counter() - t0:.1f} s", flush=True)
 
 
@@ -406,16 +406,16 @@ def job_time(variant: str, lengths: list[int], repeats: int, alone: list[int]) -
             for part, step in (("forward", forward), ("fwd+bwd", both)):
                 sec, over = timed(step, repeats)
                 row = {**base, "part": part, "ms": sec * 1e3, "peak_gib": over / GIB}
-                print(MARK + json.dumps(row), flush=True)
+                jobs.emit(row)
             if variant == "new" and t in alone:
                 for name, step in kernel_steps(x).items():
                     sec, _ = timed(step, repeats)
                     row = {**base, "part": f"  {name}", "ms": sec * 1e3}
-                    print(MARK + json.dumps(row), flush=True)
+                    jobs.emit(row)
         except Exception as e:
             traceback.print_exc()
             row = {**base, "part": "fwd+bwd", "error": f"{type(e).__name__}: {str(e)[:300]}"}
-            print(MARK + json.dumps(row), flush=True)
+            jobs.emit(row)
         mx.clear_cache()
 
 
@@ -431,7 +431,7 @@ def job_fla(lengths: list[int], repeats: int) -> None:
     except Exception as e:
         for t in lengths:
             row = {"kind": "time", "variant": "fla", "T": t, "part": "fwd+bwd"}
-            print(MARK + json.dumps({**row, "error": f"not importable: {e}"}), flush=True)
+            jobs.emit({**row, "error": f"not importable: {e}"})
         return
 
     def native(q, k, v, g, beta, s0):
@@ -490,7 +490,7 @@ def job_fla(lengths: list[int], repeats: int) -> None:
 
     for t in lengths:
         for row in fla_length(t, call, ms, forms, note):
-            print(MARK + json.dumps(row), flush=True)
+            jobs.emit(row)
         torch.cuda.empty_cache()
 
 
@@ -566,7 +566,7 @@ def job_sweep(t: int, repeats: int) -> None:
                 row["ms"] = sec * 1e3
             except Exception as e:
                 row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-            print(MARK + json.dumps(row), flush=True)
+            jobs.emit(row)
         blocks.CUDA[(kernel, 128, "half")] = shapes[0]
         mx.clear_cache()
 
@@ -587,21 +587,6 @@ def run_job(spec: dict, a) -> None:
 # The orchestrator
 
 
-class Log:
-    def __init__(self, out: str | None):
-        self.file = None
-        if out:
-            Path(out).mkdir(parents=True, exist_ok=True)
-            self.file = open(Path(out) / "h200-delta.log", "w")  # noqa: SIM115
-
-    def __call__(self, text: str, echo: bool = True) -> None:
-        if echo:
-            print(text, flush=True)
-        if self.file:
-            self.file.write(text + "\n")
-            self.file.flush()
-
-
 ENV = {  # per job kind and variant: the environment its child runs in
     "check": {"MLX_ENABLE_TF32": "0", "MLXWALK_KERNELS": "off"},
     "new": {"MLXWALK_KERNELS": "off"},
@@ -611,7 +596,7 @@ ENV = {  # per job kind and variant: the environment its child runs in
 }
 
 
-def spawn(spec: dict, a, timeout: float, log: Log) -> tuple[list[dict], str]:
+def spawn(spec: dict, a, timeout: float, log: jobs.Log) -> tuple[list[dict], str]:
     """Run one job in a child; (its results, '' or why it ended early)."""
     cmd = [
         sys.executable,
@@ -622,26 +607,7 @@ def spawn(spec: dict, a, timeout: float, log: Log) -> tuple[list[dict], str]:
         str(a.repeats),
     ] + (["--emulate"] if a.emulate else [])
     env = dict(os.environ, **ENV.get(spec.get("variant", spec["kind"]), {}))
-    t0 = time.perf_counter()
-    try:
-        done = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=max(1.0, timeout), env=env
-        )
-        out, err, why = done.stdout, done.stderr, ""
-        if done.returncode:
-            last = (err.strip().splitlines() or ["(no output)"])[-1]
-            why = f"exit {done.returncode}: {last[-200:]}"
-    except subprocess.TimeoutExpired as e:
-        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
-        why = f"timed out after {timeout:.0f} s"
-    log(
-        f"## job {json.dumps(spec)} ({time.perf_counter() - t0:.1f} s){' ' + why if why else ''}",
-        echo=False,
-    )
-    log(out + ("\n[stderr]\n" + err[-8000:] if err.strip() else ""), echo=False)
-    results = [json.loads(line[len(MARK) :]) for line in out.splitlines() if line.startswith(MARK)]
-    return results, why
+    return jobs.run(cmd, spec, timeout, log, env)
 
 
 def check_table(rows: list[dict]) -> list[str]:
@@ -720,7 +686,7 @@ def main() -> int:
 
     t_start = time.perf_counter()
     deadline = t_start + a.budget
-    log = Log(os.environ.get("OUT"))
+    log = jobs.Log(os.environ.get("OUT"), "h200-delta")
     mx = _mx()
     device = "CPU emulator" if a.emulate else str(mx.default_device())
     log(
@@ -733,28 +699,28 @@ def main() -> int:
         a.cases if a.cases is not None else (list(QUICK) if a.emulate else list(range(len(CASES))))
     )
     lengths = a.lengths
-    jobs = []  # (spec, timeout), in priority order
+    queue = []  # (spec, timeout), in priority order
     if "check" in a.parts:
-        jobs.append(({"kind": "check", "cases": cases}, 3600.0 if a.emulate else 180.0))
+        queue.append(({"kind": "check", "cases": cases}, 3600.0 if a.emulate else 180.0))
     if "time" in a.parts:
         alone = [t for t in (16384, 65536) if t in lengths]
         order = {"new": 0, "ops": 1, "fla": 2, "scans": 3, "mlx-fast": 4}
         for v in sorted(a.variants, key=order.get):
             if v == "fla":
-                jobs.append(({"kind": "fla", "lengths": lengths}, 120.0))
+                queue.append(({"kind": "fla", "lengths": lengths}, 120.0))
             elif v == "mlx-fast":  # ops on CUDA: 3.5 s and 63 GB at 4K, past that out of reach
-                jobs.append(({"kind": "time", "variant": v, "lengths": lengths[:1]}, 90.0))
+                queue.append(({"kind": "time", "variant": v, "lengths": lengths[:1]}, 90.0))
             elif v == "new":
-                jobs.append(
+                queue.append(
                     ({"kind": "time", "variant": v, "lengths": lengths, "alone": alone}, 150.0)
                 )
             else:
-                jobs += [({"kind": "time", "variant": v, "lengths": [t]}, 60.0) for t in lengths]
+                queue += [({"kind": "time", "variant": v, "lengths": [t]}, 60.0) for t in lengths]
     if "sweep" in a.parts:
-        jobs.append(({"kind": "sweep", "T": 16384}, 120.0))
+        queue.append(({"kind": "sweep", "T": 16384}, 120.0))
 
     results: list[dict] = []
-    for spec, limit in jobs:
+    for spec, limit in queue:
         left = deadline - time.perf_counter()
         if left < 15 and not a.emulate:
             log(f"skipped (time budget): {json.dumps(spec)}")
