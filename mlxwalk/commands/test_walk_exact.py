@@ -11,6 +11,8 @@ Rows (numbered after the reference system's acceptance test):
        holds fewer bytes and gives the same gradient
   (7)  recompute (each layer's graph alone, from its input kept from the decode) vs not
   (7b) recompute from a recorded forward (no inputs kept) vs not
+  (8)  LoRA on the upper half of the layers only, recompute: exact vs one graph
+  (8b) the same, the output of the frozen layers beneath (the stem) kept
 The adapter is moved to a random nonzero point first, so every LoRA gradient is nonzero.
 """
 
@@ -91,10 +93,21 @@ class Table:
 
     def run(self) -> list[Row]:
         every = np.ones(self.n)
-        reply = np.r_[np.zeros(self.n // 2), np.ones(self.n - self.n // 2)]
-        k = self.n // self.chunk
         one = self.grad(every, chunk=self.n, walk="one-graph")
         exact = self.grad(every, chunk=self.chunk)
+        self.walks(every, one, exact)
+        self.caches(every, one, exact)
+        self.reply()
+        self.rows.append(self.refusal(every))
+        if self.layout.recurrent:
+            self.strided(every)
+        self.recomputed(every, exact)
+        return self.rows
+
+    def walks(self, every, one, exact) -> None:
+        """(1), (1a): the exact walk through each attention path vs one graph; the plain walk
+        told apart from it."""
+        k = self.n // self.chunk
         self.add(
             "(1)", f"every position labelled, {k} chunks: exact vs one graph", EXACT, exact, one
         )
@@ -113,20 +126,15 @@ class Table:
             lambda: self.grad(every, chunk=self.chunk, walk="plain"),
             lambda: one,
         )
+
+    def caches(self, every, one, exact) -> None:
+        """(1b), (1c): narrower caches and accumulators, each against float32."""
         for cache, bar in CACHE_BARS.items():
             what = f"{cache} cache: exact vs float32 one graph"
             if cache == "q8" and not q8_fits(self.layout.head_dims):
                 dims = ", ".join(map(str, self.layout.head_dims))
-                self.rows.append(
-                    Row(
-                        self.name,
-                        "(1b)",
-                        what,
-                        bar,
-                        True,
-                        detail=f"not offered: head dimension {dims}",
-                    )
-                )
+                detail = f"not offered: head dimension {dims}"
+                self.rows.append(Row(self.name, "(1b)", what, bar, True, detail=detail))
                 continue
             self.compared(
                 "(1b)",
@@ -142,47 +150,41 @@ class Table:
             lambda: self.grad(every, chunk=self.chunk, accumulator_dtype="bfloat16"),
             lambda: exact,
         )
+
+    def reply(self) -> None:
+        """(2): only the second half labelled, chunked vs one chunk per run."""
+        reply = np.r_[np.zeros(self.n // 2), np.ones(self.n - self.n // 2)]
         self.compared(
             "(2)",
-            f"context then reply, {k} chunks vs one chunk per run",
+            f"context then reply, {self.n // self.chunk} chunks vs one chunk per run",
             EXACT,
             lambda: self.grad(reply, chunk=self.chunk),
             lambda: self.grad(reply, chunk=self.n),
         )
-        self.rows.append(self.refusal(every))
-        if self.layout.recurrent:
-            self.strided(every)
+
+    def recomputed(self, every, exact) -> None:
+        """(7), (7b), (8), (8b): each layer's graph rebuilt in the backward, from kept inputs or
+        a recorded forward; with only the upper layers' adapters training, from the stem's
+        output."""
+
+        def recompute(keep: str):
+            return lambda: self.grad(every, chunk=self.chunk, recompute=True, keep_inputs=keep)
+
+        def one():
+            return self.grad(every, chunk=self.n, walk="one-graph")
+
         self.compared(
-            "(7)",
-            "recompute, layer inputs kept, vs not",
-            EXACT,
-            lambda: self.grad(every, chunk=self.chunk, recompute=True, keep_inputs="on"),
-            lambda: exact,
+            "(7)", "recompute, layer inputs kept, vs not", EXACT, recompute("on"), lambda: exact
         )
         self.compared(
-            "(7b)",
-            "recompute, a recorded forward, vs not",
-            EXACT,
-            lambda: self.grad(every, chunk=self.chunk, recompute=True, keep_inputs="off"),
-            lambda: exact,
+            "(7b)", "recompute, a recorded forward, vs not", EXACT, recompute("off"), lambda: exact
         )
         half = len(self.layout.kinds) // 2
         with upper_layers_only(self.model, half):
-            self.compared(
-                "(8)",
-                f"LoRA on layers {half}+ only, recompute: exact vs one graph",
-                EXACT,
-                lambda: self.grad(every, chunk=self.chunk, recompute=True, keep_inputs="on"),
-                lambda: self.grad(every, chunk=self.n, walk="one-graph"),
-            )
-            self.compared(
-                "(8b)",
-                "the same, the stem's output kept: exact vs one graph",
-                EXACT,
-                lambda: self.grad(every, chunk=self.chunk, recompute=True, keep_inputs="stem"),
-                lambda: self.grad(every, chunk=self.n, walk="one-graph"),
-            )
-        return self.rows
+            what = f"LoRA on layers {half}+ only, recompute: exact vs one graph"
+            self.compared("(8)", what, EXACT, recompute("on"), one)
+            what = "the same, the stem's output kept: exact vs one graph"
+            self.compared("(8b)", what, EXACT, recompute("stem"), one)
 
     def refusal(self, weights) -> Row:
         before = flat(self.model.trainable_parameters())

@@ -147,24 +147,16 @@ def train(
     iterate_batches = iterate_batches or mlx_trainer.iterate_batches
     base = walk_config or WalkConfig(chunk=512, recompute=args.grad_checkpoint)
     fw = MLXFramework.around(model, optimizer, ranks)
-    losses, tokens, trained, steps, elapsed = 0.0, 0, 0, 0, 0.0
+    tally = Tally(training_callback if ranks.leader else None, optimizer)
     model.train()
     batches = iterate_batches(**batching(train_dataset, args, ranks, loop=True))
-    speaks = training_callback is not None and ranks.leader
     for it, (batch, lengths) in zip(range(1, args.iters + 1), batches):
         if val_dataset and (it == 1 or it % args.steps_per_eval == 0 or it == args.iters):
             tic = time.perf_counter()
             val_loss = evaluate(
                 model, val_dataset, args, base, args.val_batches, iterate_batches, ranks
             )
-            if speaks:
-                training_callback.on_val_loss_report(
-                    {
-                        "iteration": it - 1,
-                        "val_loss": val_loss,
-                        "val_time": time.perf_counter() - tic,
-                    }
-                )
+            tally.validated(it - 1, val_loss, time.perf_counter() - tic)
         tic = time.perf_counter()
         try:
             loss_value, weight = step(fw, batch, lengths, it, args, WindowStep(base, walk))
@@ -173,28 +165,49 @@ def train(
             last = f"{kept} is as saved" if kept.exists() else "nothing was saved"
             raise NonFinite(f"iteration {it}: {e}; stopped before its step ({last})") from None
         clear_cache(getattr(args, "clear_cache_threshold", 0))
-        elapsed += time.perf_counter() - tic
-        losses += loss_value
-        tokens += int(weight)
-        steps += 1
+        tally.stepped(loss_value, weight, time.perf_counter() - tic)
         if it % args.steps_per_report == 0 or it == args.iters:
-            trained += tokens
-            if speaks:
-                training_callback.on_train_loss_report(
-                    {
-                        "iteration": it,
-                        "train_loss": losses / steps,
-                        "learning_rate": float(optimizer.learning_rate),
-                        "iterations_per_second": steps / elapsed,
-                        "tokens_per_second": tokens / elapsed,
-                        "trained_tokens": trained,
-                        "peak_memory": mx.get_peak_memory() / 1e9,
-                    }
-                )
-            losses, tokens, steps, elapsed = 0.0, 0, 0, 0.0
+            tally.report(it)
         if ranks.leader and (it % args.steps_per_save == 0 or it == args.iters):
             numbered = it if it % args.steps_per_save == 0 else None
             save(model, Path(args.adapter_file), numbered, adapter_config)
+
+
+class Tally:
+    """The training report's sums since the last report, told to mlx-lm's `TrainingCallback`
+    (None: no rank but the leader speaks) under its keys."""
+
+    def __init__(self, callback, optimizer):
+        self.callback, self.optimizer = callback, optimizer
+        self.trained = 0
+        self.losses, self.tokens, self.steps, self.elapsed = 0.0, 0, 0, 0.0
+
+    def stepped(self, loss: float, weight: float, seconds: float) -> None:
+        self.losses += loss
+        self.tokens += int(weight)
+        self.steps += 1
+        self.elapsed += seconds
+
+    def validated(self, it: int, val_loss: float, seconds: float) -> None:
+        if self.callback is not None:
+            report = {"iteration": it, "val_loss": val_loss, "val_time": seconds}
+            self.callback.on_val_loss_report(report)
+
+    def report(self, it: int) -> None:
+        self.trained += self.tokens
+        if self.callback is not None:
+            self.callback.on_train_loss_report(
+                {
+                    "iteration": it,
+                    "train_loss": self.losses / self.steps,
+                    "learning_rate": float(self.optimizer.learning_rate),
+                    "iterations_per_second": self.steps / self.elapsed,
+                    "tokens_per_second": self.tokens / self.elapsed,
+                    "trained_tokens": self.trained,
+                    "peak_memory": mx.get_peak_memory() / 1e9,
+                }
+            )
+        self.losses, self.tokens, self.steps, self.elapsed = 0.0, 0, 0, 0.0
 
 
 def step(fw: MLXFramework, batch, lengths, it: int, args, config: WindowStep):
