@@ -165,7 +165,7 @@ def train(
             last = f"{kept} is as saved" if kept.exists() else "nothing was saved"
             raise NonFinite(f"iteration {it}: {e}; stopped before its step ({last})") from None
         clear_cache(getattr(args, "clear_cache_threshold", 0))
-        tally.stepped(loss_value, weight, time.perf_counter() - tic)
+        tally.add(loss_value, weight, time.perf_counter() - tic)
         if it % args.steps_per_report == 0 or it == args.iters:
             tally.report(it)
         if ranks.leader and (it % args.steps_per_save == 0 or it == args.iters):
@@ -182,7 +182,7 @@ class Tally:
         self.trained = 0
         self.losses, self.tokens, self.steps, self.elapsed = 0.0, 0, 0, 0.0
 
-    def stepped(self, loss: float, weight: float, seconds: float) -> None:
+    def add(self, loss: float, weight: float, seconds: float) -> None:
         self.losses += loss
         self.tokens += int(weight)
         self.steps += 1
