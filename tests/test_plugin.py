@@ -216,3 +216,35 @@ def test_lora_cli_takes_all_layers_a_partial_lora_mapping_and_refuses_a_missing_
     p = lora("--model", qwen2_path, "--train", "--data", str(tmp_path / "nowhere"))
     assert p.returncode == 2 and "is not a folder (nothing is downloaded)" in p.stderr
     assert "Traceback" not in p.stderr
+
+
+def test_the_training_report_averages_since_the_last_and_counts_tokens_throughout():
+    from mlxwalk.plugin.trainer import Tally
+
+    class Seen:
+        def __init__(self):
+            self.train = []
+
+        def on_train_loss_report(self, info):
+            self.train.append(info)
+
+    seen, opt = Seen(), optim.SGD(learning_rate=0.5)
+    tally = Tally(seen, opt)
+    tally.add(2.0, 10, 1.0)
+    tally.add(4.0, 30, 1.0)
+    tally.report(2)
+    tally.add(1.0, 5, 0.5)
+    tally.report(3)
+    first, second = seen.train
+    assert (first["train_loss"], first["tokens_per_second"], first["trained_tokens"]) == (
+        3.0,
+        20.0,
+        40,
+    )
+    assert (second["train_loss"], second["iterations_per_second"], second["trained_tokens"]) == (
+        1.0,
+        2.0,
+        45,
+    )
+    assert first["learning_rate"] == 0.5
+    Tally(None, opt).report(1)  # a rank that is not the leader says nothing
