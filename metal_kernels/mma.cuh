@@ -122,3 +122,30 @@ __device__ __forceinline__ void bar_sync(int id, int threads) {
 }
 }  // namespace mlxwalk_tc
 #endif
+
+namespace mlxwalk_tc {
+// C fragments (MT x NT tiles of 16 x 8 floats) set to zero.
+template <int MT, int NT>
+__device__ __forceinline__ void zero(float (&c)[MT][NT][4]) {
+#pragma unroll
+  for (int m = 0; m < MT; ++m) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        c[m][n][e] = 0.0f;
+      }
+    }
+  }
+}
+
+// A row's max or sum over the four lanes of a quad (the lanes holding one C-fragment row).
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+}  // namespace mlxwalk_tc

@@ -89,11 +89,11 @@ for (int gi = 0; gi < R; ++gi) {
   float dqk[2], ddot[2];  // this lane's rows: q.dq, then k.dk
   {  // dq = diag(gamma) dO h + dP' K
     float aq[1][KB / 8][4];
-    clear(aq);
+    zero(aq);
     mm<1, KB / 8, DV / 16>(aq, exact<PV, false>(sO).at(i0, 0), derived<PQ, true>(sS), lane);
     each(aq, lane, [&](float& x, int r, int) { x *= expd(sG[i0 + r]); });
     float dp[1][CH / 8][4];
-    clear(dp);
+    zero(dp);
     mm<1, CH / 8, DV / 16>(dp, exact<PV, false>(sO).at(i0, 0), derived<PV, false>(sN), lane);
     each(dp, lane, [&](float& x, int r, int j) {
       const int i = i0 + r;
@@ -107,16 +107,16 @@ for (int gi = 0; gi < R; ++gi) {
     float dvf[1][DV / 8][4];
     load_frag(dvf, dv_new + (rows + i0) * DV, DV, lane);
     float aw[1][KB / 8][4];
-    clear(aw);
+    zero(aw);
     mm_frag<1, KB / 8, DV / 16>(aw, dvf, derived<PQ, true>(sS), lane, wbuf);
     each(aw, lane, [&](float& x, int, int) { x = -x; });
     store_frag(dw + (rows + i0) * DK + k0, DK, aw, lane);
   }
   float ak[1][KB / 8][4];  // dk: dP'^T Q, then + diag(d) v_new dh
-  clear(ak);
+  zero(ak);
   {
     float dpt[1][CH / 8][4];  // dP^T for the warp's rows j: v_new dO^T
-    clear(dpt);
+    zero(dpt);
     mm<1, CH / 8, DV / 16>(dpt, derived<PV, false>(sN).at(i0, 0), exact<PV, false>(sO), lane);
     each(dpt, lane, [&](float& x, int r, int i) {
       const int j = i0 + r;
@@ -132,7 +132,7 @@ for (int gi = 0; gi < R; ++gi) {
   float lastk;  // this lane's part of sum_j k_j.(diag(d) v_new dh)_j
   {
     float av[1][KB / 8][4];
-    clear(av);
+    zero(av);
     mm<1, KB / 8, DV / 16>(av, derived<PV, false>(sN).at(i0, 0), derived<PQ, true>(sS), lane);
     each(av, lane, [&](float& x, int r, int) { x *= expd(last - sG[i0 + r]); });
     float kd[2];

@@ -48,11 +48,11 @@ __syncthreads();
 
 const int i0 = 16 * warp;
 float o[1][BV / 8][4];  // diag(gamma) Q h^T: B = h's rows (element (k = key, n = value))
-clear(o);
+zero(o);
 mm<1, BV / 8, DK / 16>(o, exact<PK, false>(sQ).at(i0, 0), derived<PK, false>(sH), lane);
 each(o, lane, [&](float& x, int r, int) { x *= expd(sG[i0 + r]); });
 float p[1][CH / 8][4];  // Q K^T (.) D, causal
-clear(p);
+zero(p);
 mm<1, CH / 8, DK / 16>(p, exact<PK, false>(sQ).at(i0, 0), exact<PK, false>(sK), lane, 0, DK / 16);
 each(p, lane, [&](float& x, int r, int j) {
   const int i = i0 + r;

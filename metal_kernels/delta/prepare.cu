@@ -68,7 +68,7 @@ __syncthreads();
 // A = beta_i exp(b_i - b_j) k_i.k_j below the diagonal: warp w's 16 rows.
 {
   float kk[1][CH / 8][4];
-  clear(kk);
+  zero(kk);
   mm<1, CH / 8, DK / 16>(kk, exact<PK, false>(sK).at(16 * warp, 0), exact<PK, false>(sK), lane);
   each(kk, lane, [&](float& x, int r, int j) {
     const int i = 16 * warp + r;
@@ -134,14 +134,14 @@ __syncthreads();
 
 {  // w = T diag(beta gamma) K: warp w's rows need k-steps 0..w (T is lower triangular)
   float acc[1][DK / 8][4];
-  clear(acc);
+  zero(acc);
   mm<1, DK / 8, CH / 16>(acc, derived<PCT, false>(sTw).at(16 * warp, 0), exact<PK, true>(sK),
                          lane, 0, warp + 1);
   store_frag(w + (chunk * CH + 16 * warp) * DK, DK, acc, lane);
 }
 {  // u = T diag(beta) V
   float acc[1][DV / 8][4];
-  clear(acc);
+  zero(acc);
   mm<1, DV / 8, CH / 16>(acc, derived<PCT, false>(sTu).at(16 * warp, 0), exact<PV, true>(sV),
                          lane, 0, warp + 1);
   store_frag(u + (chunk * CH + 16 * warp) * DV, DV, acc, lane);

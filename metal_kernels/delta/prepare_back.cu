@@ -94,12 +94,12 @@ for (int gi = 0; gi < R; ++gi) {
 
   float dt[1][CH / 8][4];  // dT, rows i0..
   float rdx[2], rdy[2], r1d[2], r2d[2];
-  clear(dt);
+  zero(dt);
   mm<1, CH / 8, DK / 16>(dt, derived<PK, false>(sD).at(i0, 0), exact<PK, false>(sK), lane);
   each(dt, lane, [&](float& x, int, int j) { x *= expd(sG[j]); });  // dw K^T diag(gamma)
   {  // dX = T^T dw (T^T(j, i) = T(i, j), zero for i < j: k-steps from the warp's rows on)
     float dx[1][DK / 8][4];
-    clear(dx);
+    zero(dx);
     mm<1, DK / 8, CH / 16>(dx, derived<PC, true>(sT).at(i0, 0), derived<PK, true>(sD), lane, warp);
     row_dot(rdx, dx, sK + i0 * PK, PK, lane);
     each(dx, lane, [&](float& x, int r, int) { x *= sB[i0 + r] * expd(sG[i0 + r]); });
@@ -116,7 +116,7 @@ for (int gi = 0; gi < R; ++gi) {
   });
   {  // dY = T^T du; dv = diag(beta) dY
     float dy[1][DV / 8][4];
-    clear(dy);
+    zero(dy);
     mm<1, DV / 8, CH / 16>(dy, derived<PC, true>(sT).at(i0, 0), derived<PV, true>(sD), lane, warp);
     row_dot(rdy, dy, sV + i0 * PV, PV, lane);
     each(dy, lane, [&](float& x, int r, int) { x *= sB[i0 + r]; });
@@ -133,9 +133,9 @@ for (int gi = 0; gi < R; ++gi) {
   float m[1][CH / 8][4];  // M = dA (.) E, rows i0..
   {
     float x1[1][CH / 8][4];  // T^T dT, rows i0.. (T(i, a) = 0 for i < a)
-    clear(x1);
+    zero(x1);
     mm<1, CH / 8, CH / 16>(x1, derived<PC, true>(sT).at(i0, 0), derived<PC, true>(sX), lane, warp);
-    clear(m);  // dA = -(T^T dT) T^T: its columns c < a need k-steps up to the warp's rows
+    zero(m);  // dA = -(T^T dT) T^T: its columns c < a need k-steps up to the warp's rows
     mm_frag<1, CH / 8, CH / 16>(m, x1, derived<PC, false>(sT), lane, wbuf, 0, warp + 1);
     each(m, lane, [&](float& x, int r, int j) {
       const int a = i0 + r;
@@ -144,7 +144,7 @@ for (int gi = 0; gi < R; ++gi) {
   }
   {  // R1 = M K (columns c < a: k-steps up to the warp's rows)
     float r1[1][DK / 8][4];
-    clear(r1);
+    zero(r1);
     mm_frag<1, DK / 8, CH / 16>(r1, m, exact<PK, true>(sK), lane, wbuf, 0, warp + 1);
     row_dot(r1d, r1, sK + i0 * PK, PK, lane);
     each(r1, lane, [&](float& x, int r, int) { x *= sB[i0 + r]; });
@@ -162,7 +162,7 @@ for (int gi = 0; gi < R; ++gi) {
   __syncthreads();  // diag(beta) M is in
   {  // R2 = M^T diag(beta) K (rows c: M(a, c) = 0 for a <= c, k-steps from the warp's rows on)
     float r2[1][DK / 8][4];
-    clear(r2);
+    zero(r2);
     mm<1, DK / 8, CH / 16>(r2, derived<PC, true>(sX).at(i0, 0), exact<PK, true>(sK), lane, warp);
     row_dot(r2d, r2, sK + i0 * PK, PK, lane);
     add_dk(r2, dk);

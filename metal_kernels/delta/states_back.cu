@@ -106,7 +106,7 @@ for (int n = 0; n < N; ++n) {
   }
   for (int rb = warp; rb < CH / 16; rb += NW) {  // P's row block rb, as parts
     float p[1][CH / 8][4];
-    clear(p);
+    zero(p);
     mm<1, CH / 8, DK / 16>(p, exact<PK, false>(sQ(s)).at(16 * rb, 0), exact<PK, false>(sK(s)),
                            lane);
     const int g4 = lane >> 2, t4 = lane & 3;
@@ -127,7 +127,7 @@ for (int n = 0; n < N; ++n) {
   // dv_new^T = (dS K^T) diag(d) + dO^T P, in one accumulator: the state's part first, decayed
   const float last = g[CH - 1];
   float dvn[1][CH / 8][4];
-  clear(dvn);
+  zero(dvn);
   mm_frag<1, CH / 8, DKH / 16>(dvn, ds, exact<PK, false>(sK(s)).at(0, dk0), lane, wbuf);
   each(dvn, lane, [&](float& x, int, int j) { x *= expd(last - g[j]); });
   const auto dot = exact<PO, true>(sO(s)).at(16 * rw, 0);  // dO^T: element (value, position)
@@ -135,7 +135,7 @@ for (int n = 0; n < N; ++n) {
     mm<1, CH / 8, CH / 16>(dvn, dot, derived<PM, true>(sM), lane);
   } else {  // the pair's halves of dO^T P's columns (P(i, j) = 0 for i < j: k-steps from 2 part)
     float half[1][CH / 16][4];
-    clear(half);
+    zero(half);
     mm<1, CH / 16, CH / 16>(half, dot, derived<PM, true>(sM).at(part * CH / 2, 0), lane, 2 * part);
 #pragma unroll
     for (int nt = 0; nt < CH / 16; ++nt) {

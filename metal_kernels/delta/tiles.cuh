@@ -40,10 +40,12 @@ using mlxwalk_tc::ldsm_x4;
 using mlxwalk_tc::ldsm_x4_t;
 using mlxwalk_tc::mma;
 using mlxwalk_tc::pack2;
+using mlxwalk_tc::quad_sum;
 using mlxwalk_tc::same_type;
 using mlxwalk_tc::smem_addr;
 using mlxwalk_tc::to_float;
 using mlxwalk_tc::u32;
+using mlxwalk_tc::zero;
 }  // namespace mlxwalk_dt
 
 // x rounded to T (to nearest even), as a float.
@@ -469,25 +471,6 @@ __device__ __forceinline__ void each(float (&c)[MT][NT][4], int lane, F f) {
   }
 }
 
-template <int MT, int NT>
-__device__ __forceinline__ void clear(float (&c)[MT][NT][4]) {
-#pragma unroll
-  for (int m = 0; m < MT; ++m) {
-#pragma unroll
-    for (int n = 0; n < NT; ++n) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        c[m][n][e] = 0.0f;
-      }
-    }
-  }
-}
-
-// A row's sum over the four lanes of a quad (the lanes holding one C-fragment row).
-__device__ __forceinline__ float quad_sum(float x) {
-  x += __shfl_xor_sync(0xffffffffu, x, 1);
-  return x + __shfl_xor_sync(0xffffffffu, x, 2);
-}
 
 // C fragments to global float32 rows (row r at dst + r * stride), rows [0, rows) only.
 template <int MT, int NT>
