@@ -14,10 +14,11 @@ from metal_kernels import build, harness
 from metal_kernels.delta import blocks, chunked, traffic
 from mlxwalk.ops.delta import gated_delta_chunked
 
+from .delta_checks import NAMES, relative_error, through
+
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="the harness needs g++")
 
 F32 = 1e-5  # float32: the kernels accumulate in float32 like the twin, in another order
-NAMES = ("y", "final_state", "dq", "dk", "dv", "dlog_g", "dbeta", "dstate")
 
 
 def inputs(t, hk, hv, dim, batch=1, dtype=mx.float32, seed=0):
@@ -34,21 +35,6 @@ def inputs(t, hk, hv, dim, batch=1, dtype=mx.float32, seed=0):
     state = normal(batch, hv, dim, dim, scale=0.5)
     cots = [normal(batch, t, hv, dim).astype(dtype), normal(batch, hv, dim, dim)]
     return [q.astype(dtype), k.astype(dtype), v.astype(dtype), log_g, beta, state], cots
-
-
-def relative_error(a: mx.array, b: mx.array) -> float:
-    """Relative L2 error in float32; anything not finite (an output never written: the harness
-    starts outputs as NaN) counts as infinite."""
-    a, b = (np.array(x.astype(mx.float32), np.float64) for x in (a, b))
-    if not np.isfinite(a).all():
-        return float("inf")
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
-def through(fn, x, cots) -> dict[str, mx.array]:
-    """y, the final state and the six gradients of `fn` by mx.vjp."""
-    outputs, grads = mx.vjp(fn, x, cots)
-    return dict(zip(NAMES, [*outputs, *grads]))
 
 
 KERNELS = chunked.op(run=harness.launch)

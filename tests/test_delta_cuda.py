@@ -18,6 +18,8 @@ from metal_kernels.build import ROOT, source
 from metal_kernels.delta import blocks, chunked
 from mlxwalk.ops.delta import gated_delta_chunked
 
+from .delta_checks import NAMES, relative_error, through
+
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator needs g++")
 
 F32 = 1e-5  # float32: FMA in float32 like the twin, in another order
@@ -26,7 +28,6 @@ F32 = 1e-5  # float32: FMA in float32 like the twin, in another order
 # dstate) land within HALF of it; the outputs rounded to the dtype (y, dq, dk, dv) within the
 # twin's own rounding of them (1.5x, plus HALF).
 HALF = 1e-4
-NAMES = ("y", "final_state", "dq", "dk", "dv", "dlog_g", "dbeta", "dstate")
 STEMS = ("prepare", "states", "output", "states_back", "grads", "prepare_back")
 KERNELS = chunked.op(run=cuda_emulator.launch, backend="cuda")
 
@@ -53,21 +54,6 @@ def inputs(t, hk, hv, dim, batch=1, dtype=mx.float32, seed=0):
         mx.array(normal(batch, hv, dim, dim)),
     ]
     return x, cots
-
-
-def relative_error(a: mx.array, b: mx.array) -> float:
-    """Relative L2 error in float32; anything not finite (an output never written: the emulator
-    starts outputs as NaN, and a read before a cp.async's wait reads NaN) counts as infinite."""
-    a, b = (np.array(x.astype(mx.float32), np.float64) for x in (a, b))
-    if not np.isfinite(a).all():
-        return float("inf")
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
-def through(fn, x, cots) -> dict[str, mx.array]:
-    """y, the final state and the six gradients of `fn` by mx.vjp."""
-    outputs, grads = mx.vjp(fn, x, cots)
-    return dict(zip(NAMES, [*outputs, *grads]))
 
 
 def errors(x, cots, backward: bool = True) -> dict[str, float]:
