@@ -15,6 +15,7 @@ from metal_kernels.delta import blocks, chunked, traffic
 from mlxwalk.ops.delta import gated_delta_chunked
 
 from .delta_checks import NAMES, relative_error, through
+from .kernel_edits import mutating
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="the harness needs g++")
 
@@ -86,22 +87,6 @@ def test_half_precision_within_the_twins_own_error(dtype, dim, t, hv):
         twin_error = relative_error(own[name], ref[name])
         assert kernel_error <= 1.5 * twin_error + F32, (name, kernel_error, twin_error)
     assert got["y"].dtype == dtype and got["dq"].dtype == dtype
-
-
-def mutating(monkeypatch, stem: str, *edits: tuple[str, str]) -> None:
-    """The kernel `stem` (its body and header) with each (old, new) edit made."""
-    original = build.source
-
-    def mutated(spec, backend):
-        header, body = original(spec, backend)
-        if spec.stem == stem:
-            for old, new in edits:
-                assert old in body or old in header, old
-                body, header = body.replace(old, new), header.replace(old, new)
-        return header, body
-
-    monkeypatch.setattr(build, "source", mutated)
-    build.kernel.cache_clear()
 
 
 @pytest.mark.parametrize(

@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 
 from metal_kernels import cuda_emulator, cuda_source
-from metal_kernels.build import ROOT, source
+from metal_kernels.build import ROOT
 from metal_kernels.delta import blocks, chunked
 from mlxwalk.ops.delta import gated_delta_chunked
 
 from .delta_checks import NAMES, relative_error, through
+from .kernel_edits import mutating
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator needs g++")
 
@@ -128,22 +129,6 @@ def _fingerprint() -> str:
     return hashlib.sha256(b"".join(p.read_bytes() for p in files)).hexdigest()
 
 
-def mutating(monkeypatch, stem: str, *edits: tuple[str, str]) -> None:
-    """The kernel `stem` (its body, and its header where the edit is there) with each (old,
-    new) edit made, in the source the emulator compiles; the files are not touched."""
-
-    def mutated(spec, backend):
-        header, body = source(spec, backend)
-        if spec.stem == stem:
-            for old, new in edits:
-                assert old in body or old in header, old
-                body, header = body.replace(old, new), header.replace(old, new)
-        return header, body
-
-    monkeypatch.setattr(cuda_source, "source", mutated)
-    monkeypatch.setattr(cuda_emulator, "source", mutated)
-
-
 @pytest.mark.parametrize(
     "stem, edits, backward, broken",  # broken: an output the mutation must show in
     [
@@ -164,7 +149,7 @@ def test_the_emulator_catches_a_broken_kernel(monkeypatch, stem, edits, backward
     x, cots = inputs(100, 1, 2, 64, dtype=mx.bfloat16)
     intact = errors(x, cots, backward)
     assert intact[broken] < 0.1 * HALF or broken in ("y", "dk"), intact
-    mutating(monkeypatch, stem, *edits)
+    mutating(monkeypatch, stem, *edits, readers=(cuda_source, cuda_emulator))
     got = errors(x, cots, backward)
     assert got[broken] > max(HALF, 3 * intact[broken]), (broken, got[broken], intact[broken])
     assert _fingerprint() == before

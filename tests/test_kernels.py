@@ -14,6 +14,8 @@ from mlxwalk.ops import routing
 from mlxwalk.ops.attention import Prefix, check, chunk_attention, path
 from mlxwalk.plan import PlanError
 
+from .kernel_edits import mutating
+
 F32 = 1e-5  # float32: the kernels accumulate in float32 like the twin, in another order
 
 
@@ -241,24 +243,6 @@ def test_the_wheel_carries_the_kernel_sources(tmp_path):
             assert f"metal_kernels/delta/{scan}{suffix}" in names
     assert "metal_kernels/harness/metal.h" in names
     assert "metal_kernels/build.py" in names
-
-
-def mutating(monkeypatch, stem: str, *edits: tuple[str, str]) -> None:
-    """The kernel `stem` (its body and header) with each (old, new) edit made."""
-    from metal_kernels import build
-
-    original = build.source
-
-    def mutated(spec, backend):
-        header, body = original(spec, backend)
-        if spec.stem == stem:
-            for old, new in edits:
-                assert old in body or old in header, old
-                body, header = body.replace(old, new), header.replace(old, new)
-        return header, body
-
-    monkeypatch.setattr(build, "source", mutated)
-    build.kernel.cache_clear()
 
 
 @pytest.mark.parametrize(
