@@ -66,8 +66,16 @@ from mlxwalk.training import files  # noqa: E402
 from mlxwalk.walk import WalkConfig  # noqa: E402
 
 # options that say how this call runs, not what is measured: left out of the JSON's settings
-RUN_ONLY = ("resume", "stop_after", "stop_after_s", "stop_after_windows", "parallel", "seed")
-RUN_ONLY += ("table", "plot")
+RUN_ONLY = (
+    "resume",
+    "stop_after",
+    "stop_after_s",
+    "stop_after_windows",
+    "parallel",
+    "seed",
+    "table",
+    "plot",
+)
 STOPPED = 3  # the exit status of a run stopped by --stop-after
 # a window's predicted seconds over the last window's per position: a longer window's attention,
 # other processes on the device

@@ -8,12 +8,15 @@ plain walk's for contrast (float32). One graph's graph at a long window is large
 that a stage the exact walk trains slowly is its optimisation, not its gradient.
 
     scripts/recall-gradient.py --out runs/rc64cap --trainer exact --seed 2 --window 8192 --chunk 64
+
+The model's shape (width, layers, RoPE base) is the run's, from the settings in its JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import sys
 import time
 from pathlib import Path
@@ -47,23 +50,34 @@ def compare(model, data: dict, i: int, chunk: int) -> dict:
     return row
 
 
+def run_settings(out: Path, seed: int) -> dict | None:
+    """The settings the run under `out` wrote with its table (the seed's own JSON first): the
+    model's shape and the chunk it trained with."""
+    for name in (f"curriculum-seed{seed}.json", "curriculum.json"):
+        if (out / name).exists():
+            return json.loads((out / name).read_text())["settings"]
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", required=True, help="the curriculum run's --out")
     p.add_argument("--trainer", default="exact")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--window", type=int, required=True)
-    p.add_argument("--chunk", type=int, required=True)
+    p.add_argument("--chunk", type=int, help="the walks' chunk (default: the run's)")
     p.add_argument("--windows", type=int, default=2, help="held-out conversations to check")
-    p.add_argument("--width", type=int, default=64)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--rope-theta", type=float, default=1e4)
     a = p.parse_args(argv)
     state = Path(a.out) / "state" / f"{a.trainer}-seed{a.seed}" / "model.safetensors"
     if not state.exists():
         print(f"error: no saved model at {state}", file=sys.stderr)
         return 2
-    model = bench.build_model(a.seed, a.width, a.layers, rope_theta=a.rope_theta)
+    s = run_settings(Path(a.out), a.seed)
+    if s is None:
+        print(f"error: no curriculum JSON under {a.out} says the model's shape", file=sys.stderr)
+        return 2
+    a.chunk = a.chunk or s["chunk"]
+    model = bench.build_model(a.seed, s["width"], s["layers"], rope_theta=s["rope_theta"])
     model.load_weights(list(files.load_safetensors(state).items()))
     mx.eval(model.parameters())
     data = recall.dataset(bench.VALID_SEED + 99, a.windows, a.window, a.chunk)

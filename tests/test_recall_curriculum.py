@@ -236,9 +236,14 @@ def test_the_gradient_check_reads_a_saved_model(tmp_path):
     assert curriculum(tmp_path, "--advance", "0", "--max-epochs", "1").returncode == 0
     check = SCRIPT.parent / "recall-gradient.py"
     cmd = [sys.executable, str(check), "--out", str(tmp_path), "--trainer", "exact"]
-    cmd += ["--window", "256", "--chunk", "32", "--width", "32", "--layers", "1"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([*cmd, "--window", "256"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+    assert "in chunks of 32 (8 chunks)" in done.stdout  # the run's chunk and model, not flags'
+    (tmp_path / "curriculum.json").unlink()
+    lost = subprocess.run([*cmd, "--window", "256"], capture_output=True, text=True, timeout=120)
+    assert (
+        lost.returncode == 2 and lost.stderr.count("\n") == 1 and "curriculum JSON" in lost.stderr
+    )
     worst = float(done.stdout.split("worst exact rel L2: ")[1])
     plain = [float(x.split()[0]) for x in done.stdout.split("plain rel L2 ")[1:]]
     assert worst < 1e-5 and min(plain) > 1e-2  # exact to rounding; the cut gradient is not

@@ -15,10 +15,10 @@ from .blocks import CudaBlocks
 
 INPUTS = ("q", "k", "v", "pk", "pv", "params", "scale")
 BACKWARD_INPUTS = (*INPUTS[:5], "d_out", "lse", "delta", *INPUTS[5:])
-HEADERS = ("common_tc",)
-FORWARD = Spec("attention/forward_tc", INPUTS, ("o", "lse"), HEADERS, ("cuda",), True)
-DQ = Spec("attention/dq_tc", BACKWARD_INPUTS, ("dq",), HEADERS, ("cuda",), True)
-DKDV = Spec("attention/dkdv_tc", BACKWARD_INPUTS, ("dk", "dv"), HEADERS, ("cuda",), True)
+TC = {"headers": ("common_tc",), "backends": ("cuda",), "tensor_cores": True}
+FORWARD = Spec("attention/forward_tc", INPUTS, ("o", "lse"), **TC)
+DQ = Spec("attention/dq_tc", BACKWARD_INPUTS, ("dq",), **TC)
+DKDV = Spec("attention/dkdv_tc", BACKWARD_INPUTS, ("dk", "dv"), **TC)
 SHARED_MEMORY = 232448  # bytes a block may take on sm_90 (227 KiB)
 
 
