@@ -10,9 +10,23 @@ import sys
 from . import commands
 
 
+class Subcommand(argparse.ArgumentParser):
+    """A subcommand's parser: an argument it doesn't know is refused with its own usage line
+    (argparse's default hands it up to `mlxwalk`'s, which shows the top-level usage)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
+
 def parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     p = argparse.ArgumentParser(prog="mlxwalk", description=__doc__)
-    sub = p.add_subparsers(dest="command")
+    p.add_argument("--version", action="version", version=f"mlxwalk {__version__}")
+    sub = p.add_subparsers(dest="command", parser_class=Subcommand)
     for name, module in commands.NAMES.items():
         command = importlib.import_module(f"mlxwalk.commands.{module}")
         c = sub.add_parser(name, help=command.HELP)

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from ..errors import ConfigError, DataError, FolderError, ModelError
 from ..training.files import owned
+from ..training.options import with_default
 from ..training.ranks import Ranks
 from ..walk import WalkConfig, arch, machine
 from ..walk.store import check_cache_type
@@ -108,14 +109,54 @@ def parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("-c", "--config")
+    from .. import __version__
+
+    texts = helps()
+    p.add_argument("--version", action="version", version=f"mlxwalk {__version__}")
+    p.add_argument("-c", "--config", help=texts["config"])
     for name, (kind, _) in {**mlx_lm_flags(), **walk_flags()}.items():
         flag = "--" + name.replace("_", "-")
         if kind is bool:
-            p.add_argument(flag, action="store_true", default=None)
+            p.add_argument(flag, action="store_true", default=None, help=texts.get(name))
         else:
-            p.add_argument(flag, type=kind, default=None)
+            p.add_argument(flag, type=kind, default=None, help=texts.get(name))
     return p
+
+
+# Where the drop-in's option differs from mlx_lm.lora's: its help in place of mlx-lm's (OWN_HELP)
+# or said after it (HELP_NOTES).
+OWN_HELP = {
+    "model": "The path to the local model directory, or a Hugging Face repo in the local cache "
+    "(required; nothing is downloaded).",
+    "data": "Directory with {train, valid, test}.jsonl files (default: data; nothing is "
+    "downloaded).",
+}
+HELP_NOTES = {
+    "fine_tune_type": "The walk trains lora only.",
+    "batch_size": "1 (one window per step), or the number of ranks under mlx.launch.",
+    "max_seq_length": "Cuts only when given (the walk needs no cut), and says so.",
+    "grad_checkpoint": "The walk's recompute: each chunk's graph layer by layer.",
+    "grad_accumulation_steps": "1 only.",
+}
+
+
+def helps() -> dict[str, str]:
+    """Each option's help: mlx_lm.lora's own (its parser's texts, with the walk's differences)
+    and, for the walk's options, `mlxwalk train`'s (training/config.py)."""
+    from dataclasses import fields
+
+    from mlx_lm.lora import build_parser
+
+    from ..training.config import TrainConfig
+
+    out = {a.dest: a.help for a in build_parser()._actions if a.help and a.dest != "help"}
+    for name, note in HELP_NOTES.items():
+        out[name] = f"{out[name]} {note}" if name in out else note
+    out.update(OWN_HELP)
+    for f in fields(TrainConfig):
+        if f.name in WALK_OPTIONS:
+            out[f.name] = with_default(f.metadata["help"], f.default)
+    return out
 
 
 def options(argv: list[str] | None) -> types.SimpleNamespace:
@@ -149,6 +190,12 @@ def refuse(o) -> None:
     from ..training.config import at_least, layers, positive
 
     o.optimizer = str(o.optimizer).lower()  # as mlx_lm.lora reads it
+    given = o.lora_parameters
+    if isinstance(given, dict) and "alpha" in given and "scale" not in given:  # as mlx-lm refuses
+        raise ConfigError(
+            "lora_parameters has 'alpha' but no 'scale': mlx-lm's LoRA config uses 'scale', "
+            "not 'alpha' (unlike some other LoRA frameworks)"
+        )
     if isinstance(o.lora_parameters, dict):  # a partial mapping keeps mlx-lm's other defaults
         o.lora_parameters = {**yaml_defaults()["lora_parameters"], **o.lora_parameters}
     if not (o.train or o.test):
@@ -305,8 +352,11 @@ def reporting(o, callback=None) -> PrintCallback:
         wrapped = get_reporting_callbacks(
             o.report_to, project_name=o.project_name, log_dir=o.adapter_path, config=vars(o)
         )
-    except ImportError as e:
-        raise ConfigError(f"--report-to {o.report_to}: {e.name or e} is not installed") from None
+    except ImportError as e:  # mlx-lm's says "wandb is not installed. please install ..."
+        missing = e.name or str(e).split()[0]
+        raise ConfigError(
+            f"--report-to {o.report_to}: {missing} is not installed (pip install {missing})"
+        ) from None
     except ValueError as e:
         raise ConfigError(f"--report-to {o.report_to}: {e}") from None
     return PrintCallback(wrapped, callback)

@@ -23,6 +23,13 @@ def flags(plan: bool = False) -> dict[str, tuple[str, str]]:
     return out
 
 
+def with_default(text: str, default) -> str:
+    """An option's help with its default, where it has one (an off switch: "default off")."""
+    if default is None or "(default" in text:  # (None: the help says what happens instead)
+        return text
+    return f"{text} (default {'off' if default is False else default})"
+
+
 def add_flags(p: argparse.ArgumentParser, plan: bool = False) -> None:
     """One flag per option (no default here: an unset flag leaves the YAML's value or the
     dataclass's default in place)."""
@@ -31,8 +38,7 @@ def add_flags(p: argparse.ArgumentParser, plan: bool = False) -> None:
     defaults = TrainConfig()
     for name, (kind, text) in flags(plan).items():
         flag = "--" + name.replace("_", "-")
-        shown = getattr(defaults, name)
-        text = text + (f" (default {shown})" if shown not in (None, False) else "")
+        text = with_default(text, getattr(defaults, name))
         if kind == "bool":
             p.add_argument(flag, action="store_true", default=None, help=text)
         elif kind.startswith("list"):
@@ -41,7 +47,11 @@ def add_flags(p: argparse.ArgumentParser, plan: bool = False) -> None:
             base = {"int": int, "float": float}.get(kind.split("|")[0].strip(), str)
             p.add_argument(flag, type=base, default=None, help=text)
     if not plan:
-        p.add_argument("--no-progress", action="store_true", help="no progress bar")
+        p.add_argument(
+            "--no-progress",
+            action="store_true",
+            help="no progress bar (default: a bar on a terminal, else a line per window)",
+        )
 
 
 def read_mapping(path: str, known: set[str]) -> dict:
@@ -56,7 +66,10 @@ def read_mapping(path: str, known: set[str]) -> dict:
     try:
         values = yaml.load(file.read_text(), yaml_loader) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(f"{file}: not valid YAML ({str(e).splitlines()[0]})") from None
+        mark = getattr(e, "problem_mark", None)  # where the parser stopped, counted from 0
+        at = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        what = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{file}{at}: not valid YAML ({what})") from None
     if not isinstance(values, dict):
         raise ConfigError(f"{file}: expected a mapping of options")
     values = {str(k).replace("-", "_"): v for k, v in values.items()}

@@ -13,7 +13,9 @@ from .files import atomic_write
 
 class Progress:
     """A tqdm bar over windows on a terminal, its postfix the chunk in flight and the last
-    window; elsewhere (a log, a pipe) one line per window."""
+    window; elsewhere (a log, a pipe) one line per window. While the bar is drawn, what the run
+    prints (epoch lines, evaluations) is written as tqdm.write writes, each line above the bar,
+    not into it; the bar closes at its last window, so nothing after it is drawn over."""
 
     def __init__(self, total: int, initial: int, enabled: bool):
         from tqdm import tqdm
@@ -30,6 +32,9 @@ class Progress:
             dynamic_ncols=True,
         )
         self.last = ""
+        self.stdout = None
+        if self.live:
+            self.stdout, sys.stdout = sys.stdout, AboveBar(sys.stdout, self.bar)
 
     def chunk(self, phase: str, done: int, of: int) -> None:
         if self.live:
@@ -52,9 +57,39 @@ class Progress:
         self.bar.set_postfix_str(self.last.lstrip(" |"), refresh=True)
         if self.lines:
             print(f"window {self.done}/{self.total}: {self.last.lstrip(' |')}", file=sys.stderr)
+        if self.done >= self.total:
+            self.close()
 
     def close(self) -> None:
         self.bar.close()
+        if self.stdout is not None:
+            if isinstance(sys.stdout, AboveBar):  # (unless replaced again since)
+                sys.stdout, part = self.stdout, sys.stdout.part
+                sys.stdout.write(part)  # a line begun and not ended, as it was
+            self.stdout = None
+
+
+class AboveBar:
+    """The standard output while a bar is drawn: each whole line written as tqdm.write writes
+    (the bar cleared, the line written, the bar drawn again below it). tqdm.write itself would
+    not clear a bar on the standard error once the standard output is this object."""
+
+    def __init__(self, out, bar):
+        self.out, self.bar, self.part = out, bar, ""
+
+    def write(self, text: str) -> int:
+        self.part += text
+        if "\n" in self.part:
+            lines, _, self.part = self.part.rpartition("\n")
+            with self.bar.get_lock():
+                self.bar.clear(nolock=True)
+                self.out.write(lines + "\n")
+                self.out.flush()
+                self.bar.refresh(nolock=True)
+        return len(text)
+
+    def __getattr__(self, name: str):  # flush, isatty, encoding, ...: the terminal's
+        return getattr(self.out, name)
 
 
 def progress(total: int, initial: int = 0, enabled: bool = True) -> Progress:

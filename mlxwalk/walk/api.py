@@ -8,6 +8,7 @@ from collections.abc import Callable
 import mlx.core as mx
 import mlx.optimizers as optim
 from mlx import nn
+from mlx.utils import tree_flatten
 
 from ..errors import ConfigError
 from ..ops.delta import fast_recurrence
@@ -73,6 +74,7 @@ def window_gradient(
     """
     if walk not in WALKS:
         raise ConfigError(f"walk {walk!r} is unknown; choose one of {', '.join(WALKS)}")
+    check_trainable(model)
     window = Window.of(inputs, targets, weights)
     config = WalkConfig(
         chunk=chunk,
@@ -113,6 +115,8 @@ def train_window(
     walk may have stepped on the window's earlier chunks).
     Returns the walk, whose `loss` holds the window's loss (at the adapter it started from)."""
 
+    check_trainable(model)
+
     def step(grads) -> None:
         apply_step(model, optimizer, grads, clip)
 
@@ -128,6 +132,15 @@ def train_window(
         raise ConfigError(f"walk {walk!r} cannot train; choose exact or plain")
     mx.eval(model.parameters(), optimizer.state)
     return runner
+
+
+def check_trainable(model: nn.Module) -> None:
+    """The gradient is taken in the model's trainable parameters: a frozen model has none."""
+    if not tree_flatten(model.trainable_parameters()):
+        raise ConfigError(
+            "model has no trainable parameters (it is frozen): add LoRA layers (mlx-lm's "
+            "linear_to_lora_layers) or unfreeze the parameters to train"
+        )
 
 
 def exact_gradient(model, window: Window, config: WalkConfig, on_chunk=None, layout=None):

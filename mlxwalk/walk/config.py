@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -52,6 +54,14 @@ class WalkConfig:
     decode_run: int | None = None
 
     def check(self) -> WalkConfig:
+        for name in ("chunk", "horizon", "decode_run"):
+            value = getattr(self, name)
+            if not (value is None and name == "decode_run") and not _integer(value):
+                raise ConfigError(f"{name} must be an integer, got {value!r}")
+        for name in ("host_budget_mib", "memory_budget_mib"):
+            value = getattr(self, name)
+            if value is not None and not (_real(value) and math.isfinite(value) and value > 0):
+                raise ConfigError(f"{name} must be a positive, finite number, got {value!r}")
         if self.chunk < 1:
             raise ConfigError(f"chunk must be at least 1, got {self.chunk}")
         if self.horizon < 0:
@@ -158,6 +168,14 @@ class Window:
             mx.array(self.targets[start:end])[None],
             mx.array(self.weights[start:end])[None],
         )
+
+
+def _integer(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def _real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
 
 
 def _row(name: str, values: np.ndarray) -> np.ndarray:
