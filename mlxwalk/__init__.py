@@ -1,8 +1,9 @@
 """mlxwalk: LoRA fine-tuning on very long windows with MLX, one chunk's graph at a time.
 
 Importing the package does nothing else: no array library is loaded until a name that needs one
-is used, and MLX's CPU matrix products move to OpenBLAS only when `use_openblas()` is called
-(the command-line entry points and the tests' configuration call it)."""
+is used, and MLX's CPU matrix products move to OpenBLAS at the first use of an entry point (a
+command, or a function of the Python API such as `window_gradient`), or when `use_openblas()` is
+called."""
 
 from __future__ import annotations
 

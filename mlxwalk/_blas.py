@@ -16,14 +16,39 @@ unprefixed OpenBLAS (a system one) instead of the wheel's.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import struct
 import sys
+from collections.abc import Callable
+from typing import TypeVar
 
 GEMMS = ("cblas_sgemm", "cblas_dgemm", "cblas_cgemm")
 SHT_RELA = 4
 
 loaded: str | None = None
+tried = False  # use_openblas has been called once by an entry point (at_first_use)
+F = TypeVar("F", bound=Callable)
+
+
+def at_first_use() -> None:
+    """What every entry point does before MLX's first product, once a process: route MLX's CPU
+    GEMMs (saying on stderr, as the commands do, when they stay on the reference BLAS)."""
+    global tried
+    if not tried:
+        tried = True
+        use_openblas()
+
+
+def first_use(fn: F) -> F:
+    """A public function that routes MLX's CPU products at its first call (`at_first_use`)."""
+
+    @functools.wraps(fn)
+    def routed(*args, **kwargs):
+        at_first_use()
+        return fn(*args, **kwargs)
+
+    return routed  # type: ignore[return-value]
 
 
 def use_openblas() -> str | None:

@@ -56,11 +56,11 @@ def fail(prog: str, e: BaseException) -> int:
 def setup() -> None:
     """What every entry point does first: the environment switches checked by name, and MLX's
     CPU matrix products moved to OpenBLAS where MLX's CPU does the work (_blas.py)."""
-    from ._blas import use_openblas
+    from ._blas import at_first_use
     from .ops import routing
 
     routing.mode()
-    use_openblas()
+    at_first_use()
 
 
 def main(argv: list[str] | None = None) -> int:

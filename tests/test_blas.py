@@ -46,3 +46,44 @@ def _timed(fn) -> float:
     tic = time.perf_counter()
     fn()
     return time.perf_counter() - tic
+
+
+API_USER = """
+import sys
+import mlxwalk
+from mlxwalk import _blas, tiny
+import mlx_lm
+import numpy as np
+
+assert _blas.loaded is None and not _blas.tried, "importing mlxwalk routed the products"
+if sys.argv[1] == "hidden":
+    _blas._wheel_library = lambda: None  # as on a machine without the scipy-openblas32 wheel
+model, _ = mlx_lm.load(str(tiny.path("tiny-qwen2")))
+from mlxwalk.commands.test_walk_exact import prepare
+
+model = prepare(model)
+x = np.arange(64, dtype=np.int32)[None] % 50
+for _ in range(2):  # routed once, said once
+    mlxwalk.window_gradient(model, x[:, :-1], x[:, 1:], np.ones((1, 63), np.float32), chunk=32)
+print("routed" if _blas.loaded else "not routed")
+"""
+
+
+@linux
+@pytest.mark.parametrize("wheel", ["present", "hidden"])
+def test_the_python_api_routes_the_products_at_first_use(wheel, qwen2_path):
+    """`import mlxwalk` routes nothing; the API's first call routes MLX's CPU products as the
+    commands do, and where it can't, says so once on stderr, in the commands' words."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "MLXWALK_BLAS"}
+    out = subprocess.run(
+        [sys.executable, "-c", API_USER, wheel], capture_output=True, text=True, env=env
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    said = [line for line in out.stderr.splitlines() if "reference BLAS" in line]
+    if wheel == "present":
+        assert out.stdout.strip() == "routed" and not said
+    else:
+        assert out.stdout.strip() == "not routed"
+        assert len(said) == 1 and said[0].startswith("mlxwalk: MLX's CPU matrix products stay")

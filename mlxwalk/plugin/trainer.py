@@ -26,6 +26,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
+from .._blas import first_use
 from ..errors import ConfigError, DataError, RanksError, Refusal
 from ..training.mlx_framework import MLXFramework, WindowStep
 from ..training.ranks import Ranks
@@ -117,6 +118,7 @@ def batching(dataset, args, ranks: Ranks, loop: bool = False) -> dict:
     return kw
 
 
+@first_use
 def train(
     model,
     optimizer,

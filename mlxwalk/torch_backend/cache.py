@@ -142,6 +142,11 @@ class WalkCache(Cache):
         # checkpoints or graph leaves) and on update_conv_state below
         return True
 
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        # transformers 5.25 asks how many per-position states to keep (speculative decoding);
+        # the walk keeps only a chunk's exit state, and this cache has no per-layer objects
+        return 0
+
     def get_conv_state(self, layer_idx: int, state_idx: int = 0):
         return self.entry.get(layer_idx, {}).get("conv")
 

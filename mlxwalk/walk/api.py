@@ -10,6 +10,7 @@ import mlx.optimizers as optim
 from mlx import nn
 from mlx.utils import tree_flatten
 
+from .._blas import first_use
 from ..errors import ConfigError
 from ..ops.delta import fast_recurrence
 from ..ops.products import dequantized_products
@@ -22,6 +23,7 @@ from .plain import PlainWalk
 from .runner import ChunkRunner, walking
 
 
+@first_use
 def window_loss(model: nn.Module, window: Window, config: WalkConfig, layout=None) -> float:
     """The window's loss, decoded chunk by chunk with no gradient (for evaluation)."""
     runner = ChunkRunner(model, window, config, layout)
@@ -35,6 +37,7 @@ def window_loss(model: nn.Module, window: Window, config: WalkConfig, layout=Non
     return float(sum(v.item() for v in losses))
 
 
+@first_use
 def one_graph(model: nn.Module, window: Window, products: str = "auto") -> tuple[mx.array, dict]:
     """The reference: the whole window as one graph, no cache, its quantized products as the
     walk's (ops.products)."""
@@ -48,6 +51,7 @@ def one_graph(model: nn.Module, window: Window, products: str = "auto") -> tuple
         return mx.value_and_grad(objective)(model.trainable_parameters())
 
 
+@first_use
 def window_gradient(
     model: nn.Module,
     inputs,
@@ -98,6 +102,7 @@ def window_gradient(
     return loss.item(), grads
 
 
+@first_use
 def train_window(
     model: nn.Module,
     optimizer,
@@ -143,6 +148,7 @@ def check_trainable(model: nn.Module) -> None:
         )
 
 
+@first_use
 def exact_gradient(model, window: Window, config: WalkConfig, on_chunk=None, layout=None):
     """The exact walk's gradient of one window, checked finite (NonFinite otherwise); the walk
     is returned with its `loss` set, for a caller that steps on several windows at once."""
