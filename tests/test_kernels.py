@@ -172,6 +172,39 @@ def test_on_metal_a_kernel_slower_than_the_twin_is_not_used(on_harness, monkeypa
     assert path(q, k, None) == "kernel"  # a kernel that wins is kept
 
 
+def test_a_kernel_that_fails_in_its_race_falls_back_with_one_line(on_harness, monkeypatch, capsys):
+    """A failure that shows only at the race's size (a launch past a device limit, memory) must
+    not reach the training step: the ops path runs, with one line naming the kernel."""
+    monkeypatch.setattr(routing, "RACE", {"attention": (32, 64)})
+
+    def broken(case, size):
+        raise RuntimeError("[metal::Device] Unable to allocate 1234 bytes\nand more")
+
+    monkeypatch.setattr(check, "race", broken)
+    q, k = mx.zeros((1, 2, 8, 64)), mx.zeros((1, 2, 8, 64))
+    assert path(q, k, None) == "twin"
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("mlxwalk: kernel attention failed in its race")
+    assert "Unable to allocate 1234 bytes) on metal float32 head dim 64" in err
+
+
+def test_the_race_times_the_walks_own_instantiation(on_harness, monkeypatch):
+    """Queries in half precision over a float32 store: the race builds its prefix in the store's
+    dtype, the kernel instantiation the walk calls, not the queries'."""
+    seen = []
+    original = check.inputs
+
+    def spy(case, sizes, store):
+        seen.append(store)
+        return original(case, sizes, store)
+
+    monkeypatch.setattr(check, "inputs", spy)
+    monkeypatch.setattr(routing, "seconds", lambda step: 0.0)
+    case = routing.AttentionCase("metal", mx.float16, 64, 1, mx.float32)
+    check.race(case, (8, 16))
+    assert seen == [mx.float32]
+
+
 def test_routing(monkeypatch):
     q, k = mx.zeros((1, 4, 8, 64)), mx.zeros((1, 2, 8, 64))
     assert path(q, k, None) == "twin"  # the CPU: no GPU backend

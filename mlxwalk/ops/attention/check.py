@@ -124,8 +124,10 @@ def kernel_vs_twin(case: Case) -> dict[str, float]:
 
 def race(case: Case, size: tuple[int, int]) -> tuple[float, float]:
     """Seconds for one chunk's attention forward and backward, kernel then twin (the median of
-    three after a warm-up): `size[0]` queries over a prefix of `size[1]`, every key tapped."""
-    x = inputs(case, Sizes(chunk=size[0], start=size[1], grad_from=0), case.dtype)
+    three after a warm-up): `size[0]` queries over a prefix of `size[1]`, every key tapped, the
+    prefix in the store's dtype, as the walk calls it (the instantiation timed is the one run)."""
+    store = case.store or case.dtype
+    x = inputs(case, Sizes(chunk=size[0], start=size[1], grad_from=0), store)
     mx.eval(x["q"], x["k"], x["v"], x["d_out"], x["prefix"].store.keys, x["prefix"].store.values)
     kernel_s, twin_s = (
         routing.seconds(lambda p=p: mx.eval(list(through(p, x).values())))

@@ -1,0 +1,57 @@
+"""CI's rule on skips (tests/skips.py): under MLXWALK_NO_SKIPS=1 a skip outside the torch
+backend's tests fails the run and names the test; a torch-marked skip does not."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BODY = """
+import pytest
+
+def test_runs():
+    pass
+
+@pytest.mark.torch
+def test_needs_the_torch_extra():
+    pytest.skip("no torch here")
+{extra}
+"""
+SKIPPING = """
+def test_needs_a_compiler():
+    pytest.skip("g++ is not on PATH")
+"""
+
+
+@pytest.mark.parametrize("strict", [True, False])
+@pytest.mark.parametrize("extra", ["", SKIPPING])
+def test_a_skip_outside_torchs_fails_a_strict_run(tmp_path, strict, extra):
+    (tmp_path / "test_some.py").write_text(BODY.format(extra=extra))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MLXWALK_NO_SKIPS": "1" if strict else "0"}
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "tests.skips",
+            "-p",
+            "no:cacheprovider",
+            "-c",
+            os.devnull,
+            "--rootdir",
+            str(tmp_path),
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
+    fails = strict and bool(extra)
+    assert out.returncode == (1 if fails else 0), out.stdout[-1500:]
+    assert ("test_needs_a_compiler" in out.stdout.split("which fails the run")[-1]) == fails
