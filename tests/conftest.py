@@ -6,6 +6,8 @@ import pytest
 
 import mlxwalk
 
+pytest_plugins = ["tests.skips"]  # under MLXWALK_NO_SKIPS=1 a skip outside torch's fails the run
+
 mlxwalk.use_openblas()  # MLX's CPU GEMMs on OpenBLAS, as the command-line entry points do
 
 # Bundled models are generated once per test session, away from the user's cache.
