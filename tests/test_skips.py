@@ -55,3 +55,28 @@ def test_a_skip_outside_torchs_fails_a_strict_run(tmp_path, strict, extra):
     fails = strict and bool(extra)
     assert out.returncode == (1 if fails else 0), out.stdout[-1500:]
     assert ("test_needs_a_compiler" in out.stdout.split("which fails the run")[-1]) == fails
+
+
+def test_a_plain_run_says_why_each_test_was_skipped(tmp_path):
+    """`python -m pytest` with the project's settings names each skip's reason in its summary
+    (the torch extra's install), not only a count."""
+    (tmp_path / "test_some.py").write_text(BODY.format(extra=""))
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-c",
+            str(ROOT / "pyproject.toml"),
+            "--rootdir",
+            str(tmp_path),
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stdout[-1500:]
+    assert "SKIPPED [1] test_some.py:9: no torch here" in out.stdout, out.stdout[-1500:]
