@@ -40,6 +40,7 @@ FRAMEWORK_FREE = (
             "samples",
             "watch",
             "chat",
+            "optimizer_spec",
         )
     ),
 )

@@ -4,9 +4,12 @@ mechanics for it.
 
 Everything but the mechanics is the MLX run's: the data, the windows, the folder's lock and
 identity, checkpoints, resume, the NaN guard, Ctrl-C, the epoch table, the report and the loss
-curve. The adapter is PEFT's (`adapter_model.safetensors` + `adapter_config.json`, which
-`mlxwalk convert-adapter` turns into mlx-lm's); a checkpoint holds it, the optimizer's and the
-schedule's state (`optimizer.pt`) and the position.
+curve. So is the optimizer: both backends build it from training/optimizer_spec.py (mlx-lm's
+schedule, MLX's Adam/AdamW/SGD with its defaults: no bias correction, AdamW's weight decay 0.01),
+torch's as `SpecOptimizer` under a LambdaLR. The adapter is PEFT's
+(`adapter_model.safetensors` + `adapter_config.json`, which `mlxwalk convert-adapter` turns into
+mlx-lm's); a checkpoint holds it, the optimizer's and the schedule's state (`optimizer.pt`) and
+the position.
 Under --memory-budget-mib (GPU memory, as torch's CUDA allocator counts it) the walk places the
 K/V store and accumulators in pinned host memory as needed (budget.py) and a window it had to
 narrow is said so on the bar and in the epoch's line. Flags the torch walk does not take
@@ -27,6 +30,7 @@ from ..errors import ConfigError, ModelError
 from ..training import run
 from ..training.config import TrainConfig
 from ..training.framework import Admission, Framework, Loaded, Stepped
+from ..training.optimizer_spec import OptimizerSpec
 from ..walk.config import Window
 from ..walk.guards import NonFinite
 from . import model as models
@@ -302,26 +306,58 @@ class TorchFramework(Framework):
         return {"adapter_format": "peft", "device": str(self.device)}
 
 
+class SpecOptimizer(torch.optim.Optimizer):
+    """The update rule of training/optimizer_spec.py on torch tensors: MLX's Adam and AdamW
+    (no bias correction unless the spec asks, `m / (sqrt(v) + eps)`, AdamW's decay before the
+    update) and SGD without momentum. Each group's "lr" is the learning rate (a schedule sets
+    it); the rest is the spec's. The moments are kept under torch Adam's names."""
+
+    def __init__(self, params, spec: OptimizerSpec):
+        self.spec = spec
+        super().__init__(params, {"lr": spec.lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None if closure is None else closure()
+        spec = self.spec
+        b1, b2 = spec.betas
+        for group in self.param_groups:
+            lr = group["lr"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = p.grad
+                if spec.name == "sgd":
+                    if spec.weight_decay:
+                        g = g.add(p, alpha=spec.weight_decay)
+                    p.add_(g, alpha=-lr)
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["exp_avg_sq"] = torch.zeros_like(p)
+                state["step"] += 1
+                m, v = state["exp_avg"], state["exp_avg_sq"]
+                if spec.name == "adamw" and spec.weight_decay:
+                    p.mul_(1 - lr * spec.weight_decay)
+                m.mul_(b1).add_(g, alpha=1 - b1)
+                v.mul_(b2).addcmul_(g, g, value=1 - b2)
+                if spec.bias_correction:
+                    t = float(state["step"])
+                    denom = v.sqrt().mul_(1 / math.sqrt(1 - b2**t)).add_(spec.eps)
+                    p.addcdiv_(m, denom, value=-lr / (1 - b1**t))
+                else:
+                    p.addcdiv_(m, v.sqrt().add_(spec.eps), value=-lr)
+        return loss
+
+
 def make_optimizer(cfg: TrainConfig, params: list, steps: int):
-    """torch's optimizer and a LambdaLR with the MLX run's schedule: warmup from 0, then
-    constant, cosine or linear decay to 0 over `steps`."""
-    decay = cfg.weight_decay or 0.0
-    if cfg.optimizer == "sgd":
-        opt = torch.optim.SGD(params, lr=cfg.lr, weight_decay=decay)
-    elif cfg.optimizer == "adamw":
-        opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=decay)
-    else:
-        opt = torch.optim.Adam(params, lr=cfg.lr)
-
-    def factor(step: int) -> float:
-        if cfg.warmup and step < cfg.warmup:
-            return (step + 1) / cfg.warmup
-        done = min(1.0, (step - cfg.warmup) / max(1, steps - cfg.warmup))
-        if cfg.lr_schedule == "cosine_decay":
-            return 0.5 * (1 + math.cos(math.pi * done))
-        return 1.0 - done if cfg.lr_schedule == "linear_schedule" else 1.0
-
-    return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    """The run's optimizer over `steps` updates (training/optimizer_spec.py, which MLX's is built
+    from too) and a LambdaLR giving each update the spec's learning rate: mlx-lm's schedule."""
+    spec = OptimizerSpec.of(cfg, steps)
+    opt = SpecOptimizer(params, spec)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: spec.factor(step))
 
 
 def train_run(cfg: TrainConfig, echo=print) -> dict:

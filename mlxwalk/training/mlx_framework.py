@@ -30,32 +30,37 @@ from ..walk.store import check_cache_type
 from . import adapters, models
 from .files import load_safetensors, save_safetensors
 from .framework import Admission, Framework, Loaded, Stepped
+from .optimizer_spec import OptimizerSpec
 from .ranks import Ranks, StepSum, reduce_step, weighs
 
 
 def make_optimizer(cfg, steps: int):
-    """The optimizer, its weight decay, and the learning rate: constant, or mlx-lm's schedule
-    (build_schedule) decaying to 0 over `steps`, after `warmup` steps rising from 0."""
+    """The run's optimizer over `steps` updates (training/optimizer_spec.py)."""
+    return build_optimizer(OptimizerSpec.of(cfg, steps))
+
+
+def build_optimizer(spec: OptimizerSpec):
+    """MLX's optimizer as `spec` describes it: its learning rate constant, or mlx-lm's schedule
+    (build_schedule, as mlx_lm.lora builds it), after `warmup` updates rising from 0."""
     from mlx_lm.tuner.utils import build_schedule
 
-    lr = cfg.lr
-    decay = max(steps - cfg.warmup - 1, 1)  # mlx-lm's schedule starts decaying after the warmup
-    if cfg.lr_schedule == "cosine_decay":
+    lr = spec.lr
+    arguments = {
+        "cosine_decay": [spec.lr, spec.decay_steps],
+        "linear_schedule": [spec.lr, 0.0, spec.decay_steps],
+    }
+    if spec.schedule is not None:
         lr = build_schedule(
-            {"name": "cosine_decay", "arguments": [cfg.lr, decay], "warmup": cfg.warmup}
+            {"name": spec.schedule, "arguments": arguments[spec.schedule], "warmup": spec.warmup}
         )
-    elif cfg.lr_schedule == "linear_schedule":
-        lr = build_schedule(
-            {"name": "linear_schedule", "arguments": [cfg.lr, 0.0, decay], "warmup": cfg.warmup}
-        )
-    elif cfg.warmup:
-        lr = optim.linear_schedule(0.0, cfg.lr, cfg.warmup)
-    wd = {} if cfg.weight_decay is None else {"weight_decay": cfg.weight_decay}
-    if cfg.optimizer == "sgd":
-        return optim.SGD(learning_rate=lr, **wd)
-    if cfg.optimizer == "adamw":
-        return optim.AdamW(learning_rate=lr, **wd)
-    return optim.Adam(learning_rate=lr)
+    elif spec.warmup:
+        lr = optim.linear_schedule(0.0, spec.lr, spec.warmup)
+    if spec.name == "sgd":
+        return optim.SGD(learning_rate=lr, weight_decay=spec.weight_decay)
+    adam = {"betas": list(spec.betas), "eps": spec.eps, "bias_correction": spec.bias_correction}
+    if spec.name == "adamw":
+        return optim.AdamW(learning_rate=lr, weight_decay=spec.weight_decay, **adam)
+    return optim.Adam(learning_rate=lr, **adam)
 
 
 @dataclass
