@@ -9,13 +9,24 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-EXACT = "cosine >= 0.99999, relative L2 error <= 1e-4"
+# The exact bar is float32's (on CUDA with TF32 off): the walks read 1e-6 to 5e-6 against their
+# references, on the CPU and the H200, so 2e-5 leaves a factor of 4 and still fails a gradient
+# scaled by 0.9999 or a float16 K/V store on the hybrid (5e-5). Rows where half precision is in
+# play have their own bars, named by it, a few times what they read (tiny-qwen2 the worst, float32
+# products: float16 store 2.3e-3, bfloat16 store 2.0e-2, q8 5.3e-2, bfloat16 accumulators 2.0e-3).
+EXACT = "cosine >= 0.99999, relative L2 error <= 2e-5 (float32)"
+FLOAT16_STORE = "float16 store: relative L2 error <= 1e-2"
+BFLOAT16_STORE = "bfloat16 store: relative L2 error <= 5e-2"
+Q8_STORE = "8-bit store: relative L2 error <= 1e-1"
+BFLOAT16_ACCUMULATORS = "bfloat16 accumulators: relative L2 error <= 1e-2"
+TELLS_APART = "cosine < 0.95 (tells the walks apart)"
 BARS: dict[str, Callable[[float, float], bool]] = {  # (cosine, relative L2 error)
-    EXACT: lambda c, e: c >= 0.99999 and e <= 1e-4,
-    "cosine >= 0.9999": lambda c, e: c >= 0.9999,
-    "cosine >= 0.999": lambda c, e: c >= 0.999,
-    "cosine >= 0.99": lambda c, e: c >= 0.99,
-    "cosine < 0.95 (tells the walks apart)": lambda c, e: c < 0.95,
+    EXACT: lambda c, e: c >= 0.99999 and e <= 2e-5,
+    FLOAT16_STORE: lambda c, e: e <= 1e-2,
+    BFLOAT16_STORE: lambda c, e: e <= 5e-2,
+    Q8_STORE: lambda c, e: e <= 1e-1,
+    BFLOAT16_ACCUMULATORS: lambda c, e: e <= 1e-2,
+    TELLS_APART: lambda c, e: c < 0.95,
 }
 
 

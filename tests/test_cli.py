@@ -15,7 +15,7 @@ def run(*args):
 
 
 def test_test_walk_exact_json_on_a_model_folder():
-    from mlxwalk import tiny
+    from mlxwalk import grading, tiny
 
     folder = str(tiny.path("tiny-llama"))  # the smallest attention model: the script's rows
     p = subprocess.run(
@@ -28,7 +28,7 @@ def test_test_walk_exact_json_on_a_model_folder():
     assert out["ok"] and len(out["rows"]) == 14
     rows = {r["row"] for r in out["rows"]}
     assert rows == {"(1)", "(1a)", "(1b)", "(1c)", "(2)", "(3)", "(7)", "(7b)", "(8)", "(8b)"}
-    assert all(r["rel_l2"] <= 1e-4 for r in out["rows"] if r["bar"].startswith("cosine >= 0.99999"))
+    assert all(r["rel_l2"] <= 2e-5 for r in out["rows"] if r["bar"] == grading.EXACT)
 
 
 def test_a_missing_model_is_one_line_and_exit_2(tmp_path):

@@ -65,11 +65,15 @@ def test_loss_and_gradient_agree_across_frameworks(tmp_path):
     }
 
     for value in (loss.item(), walked_loss):
-        assert abs(value - t_loss.item()) <= 1e-5 * abs(t_loss.item())
+        print(f"MLX against torch: loss relative error {abs(value / t_loss.item() - 1):.1e}")
+        assert abs(value - t_loss.item()) <= 1e-6 * abs(t_loss.item())
     for source in (grads, walked):
         flat = dict(tree_flatten(source))
         assert len(flat) == len(t_grads) == 8
+        errors = {}
         for name, g in flat.items():
             path, ab = name.rsplit(".lora_", 1)
-            want = t_grads[f"{path}.lora_{ab.upper()}.weight"].T
-            assert rel(np.array(g), want) < 1e-4, name
+            errors[name] = rel(np.array(g), t_grads[f"{path}.lora_{ab.upper()}.weight"].T)
+        worst = max(errors, key=errors.get)
+        print(f"MLX against torch: worst LoRA gradient {worst}, relative error {errors[worst]:.1e}")
+        assert errors[worst] <= 2e-5, worst  # float32's exact bar (reads 8e-6 at worst)

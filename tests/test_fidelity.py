@@ -76,9 +76,10 @@ def test_same_losses_as_mlx_lm_lora(qwen2_path, tmp_path):
         training_callback=ours,
     )
     assert len(ours.train) == len(theirs.train) == 10
-    assert abs(ours.val[0] - theirs.val[0]) <= 1e-4, (ours.val, theirs.val)
-    assert np.max(np.abs(np.array(ours.train) - np.array(theirs.train))) <= 1e-3, (
-        ours.train,
-        theirs.train,
-    )
-    assert np.allclose(ours.val, theirs.val, atol=1e-3)
+    val = np.abs(np.subtract(ours.val, theirs.val))
+    train = np.abs(np.subtract(ours.train, theirs.train))
+    print(f"against mlx-lm: validation losses apart by {val}, training losses by {train}")
+    # before any step, the same function at the same point: float32 rounding (read 2e-7, 5e-7)
+    assert val[0] <= 1e-6 * theirs.val[0] and train[0] <= 1e-6 * theirs.train[0], (val, train)
+    # then that rounding grows through the Adam steps (read 7e-6 after 5 steps, 5e-4 after 10)
+    assert val.max() <= 1e-3 and train.max() <= 1e-3, (val, train)

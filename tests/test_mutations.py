@@ -47,3 +47,25 @@ def test_exact_row_fails_with_one_tap_positions_gradient_dropped(qwen2, monkeypa
     _, broken = window_gradient(qwen2, IDS[:-1], IDS[1:], w, chunk=32)
     cosine, error = compare(broken, one)
     assert not BARS[EXACT](cosine, error), (cosine, error)
+
+
+def test_exact_row_fails_with_one_chunks_tap_gradients_scaled_by_0_9999(qwen2, monkeypatch):
+    """The bar is float32's: one chunk's K/V tap gradients, every layer's, scaled by 0.9999 on
+    their way back read 4.5e-5 against one graph (the exact walk 4.2e-6), which the bar fails.
+    (On the hybrid, whose two attention layers of six carry less of the gradient through their
+    taps, every chunk's taps scaled so read 1.4e-5: below what float32's bar can tell.)"""
+    w = np.ones(N)
+    _, one = window_gradient(qwen2, IDS[:-1], IDS[1:], w, chunk=N, walk="one-graph")
+    add_kv, calls = accum.Accumulators.add_kv, []
+
+    def scaled(self, start, grads):
+        calls.append(start)
+        if len(calls) == 1:  # the last chunk's, the first to come back
+            grads = [None if g is None else (0.9999 * g[0], 0.9999 * g[1]) for g in grads]
+        return add_kv(self, start, grads)
+
+    monkeypatch.setattr(accum.Accumulators, "add_kv", scaled)
+    _, broken = window_gradient(qwen2, IDS[:-1], IDS[1:], w, chunk=32)
+    cosine, error = compare(broken, one)
+    assert not BARS[EXACT](cosine, error), (cosine, error)
+    assert error < 1e-4  # what the former bar (1e-4) let through

@@ -79,4 +79,4 @@ def test_train_on_a_quantized_folder_then_generate_and_fuse(tmp_path):
     got = np.array(mlx_lm.load(str(fused))[0](ids))
     err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
     print(f"fused (dequantized) against the adapter over the 4-bit model: logits error {err:.1e}")
-    assert err < 1e-4
+    assert err <= 2e-5  # float32 rounding (reads 3.2e-6)

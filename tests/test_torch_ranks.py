@@ -78,7 +78,7 @@ def test_two_torch_ranks_train_what_one_process_trains_on_both_windows(tmp_path)
     a, b, c = adapter(tmp_path / "two"), adapter(tmp_path / "one"), adapter(tmp_path / "apart")
     err = np.linalg.norm(a - b) / np.linalg.norm(b)
     print(f"two torch ranks against one process on both windows: relative error {err:.1e}")
-    assert err <= 1e-5
+    assert err <= 1e-6  # gloo sums in another order (reads 3e-7)
     assert np.linalg.norm(c - b) / np.linalg.norm(b) > 1e-3
     assert two.stdout.count("epoch 1") == 1
 
