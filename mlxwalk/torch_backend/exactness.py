@@ -1,5 +1,6 @@
 """test-walk-exact --backend torch: the torch walk's gradient against one graph, row by row, on
-a transformers model with a PEFT adapter (the rows and bars of mlxwalk/exactness.py):
+a transformers model with a PEFT adapter (the bars are mlxwalk/grading.py's, the MLX side's
+rows mlxwalk/commands/test_walk_exact.py's):
   (1)  every position labelled, 4 chunks: the exact walk and the plain walk vs one graph
   (1b) a bfloat16 K/V store vs the float32 one graph
   (1c) the K/V store and gradient accumulators in host memory vs on the device
