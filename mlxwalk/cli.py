@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import signal
 import sys
 
@@ -39,6 +40,9 @@ def on_sigterm(*_) -> None:
     raise KeyboardInterrupt  # a kill is handled like Ctrl-C: what was trained is saved
 
 
+STOPS = ("SIGTERM", "SIGHUP")  # a kill, a closed terminal: each handled like Ctrl-C
+
+
 def fail(prog: str, e: BaseException) -> int:
     """A refusal or failure as one line on stderr and exit 2; an interruption as one line, 130."""
     if isinstance(e, KeyboardInterrupt):
@@ -60,7 +64,19 @@ def setup() -> None:
     from .ops import routing
 
     routing.mode()
+    check_tmpdir()
     at_first_use()
+
+
+def check_tmpdir() -> None:
+    """A TMPDIR that names no folder, refused by name: MLX's CPU backend compiles its kernels
+    there and would fail at the first window with a bare filesystem error."""
+    from .errors import ConfigError
+
+    tmp = os.environ.get("TMPDIR")
+    if tmp and not os.path.isdir(tmp):
+        what = "is not a folder" if os.path.exists(tmp) else "does not exist"
+        raise ConfigError(f"TMPDIR={tmp} {what}; create it, or point TMPDIR at a folder")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,7 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser().print_help()
         return 2
-    signal.signal(signal.SIGTERM, on_sigterm)
+    for name in STOPS:
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), on_sigterm)
     try:
         setup()
         return args.run(args)

@@ -9,6 +9,7 @@ default groups of 64).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -214,11 +215,18 @@ def _write_quantized(base: str, bits: int, folder: Path) -> None:
 
 
 def _publish(folder: Path, fill) -> None:
-    """`fill` a temporary sibling of `folder`, then rename it into place."""
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    """`fill` a temporary sibling of `folder`, then rename it into place; a write that fails is
+    refused naming the folder (and a full disk as such)."""
     try:
-        fill(tmp)
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    except OSError as e:
+        raise _unwritable(folder, e) from None
+    try:
+        try:
+            fill(tmp)
+        except Exception as e:  # OSError, MLX's RuntimeError, the tokenizers' own Exception
+            raise _unwritable(folder, e) from None
         tmp.chmod(0o755)
         try:
             os.rename(tmp, folder)
@@ -227,6 +235,24 @@ def _publish(folder: Path, fill) -> None:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _unwritable(folder: Path, e: BaseException):
+    """The refusal for a bundled model that could not be written into `folder`."""
+    from .errors import FolderError
+
+    said = str(e).split("] ", 1)[-1]
+    try:
+        nearly_full = shutil.disk_usage(folder.parent).free < 64 << 20
+    except OSError:
+        nearly_full = False
+    full = getattr(e, "errno", None) == errno.ENOSPC or "os error 28" in said or nearly_full
+    why = "no space left on the device" if full else (getattr(e, "strerror", None) or said)
+    fix = "free some space there, or " if full else ""
+    return FolderError(
+        f"can't write the bundled model {folder.name} into {folder.parent} (MLXWALK_HOME's "
+        f"models): {why}; {fix}set MLXWALK_HOME to another folder"
+    )
 
 
 def write(spec: TinySpec, folder: Path) -> Path:
@@ -276,7 +302,8 @@ def _write_weights(spec: TinySpec, file: Path) -> None:
         name: mx.array(_init(name, tuple(p.shape), rng).astype(np.float32))
         for name, p in sorted(tree_flatten(model.parameters()))
     }
-    mx.save_safetensors(str(file), weights, metadata={"format": "mlx"})
+    with open(file, "wb") as f:  # (a Python file: a full disk is an OSError with its errno)
+        mx.save_safetensors(f, weights, metadata={"format": "mlx"})
 
 
 def _byte_vocab() -> dict[str, int]:

@@ -109,8 +109,9 @@ def machine_verdict(total: int, echo) -> bool:
 def check(args) -> None:
     """The plan's options (TrainConfig's defaults where not given), range-checked before the
     model loads, each refusal naming its flag."""
-    from ..training.config import TrainConfig, at_least, layers, positive
+    from ..training.config import TrainConfig, at_least, layers, not_empty, positive
 
+    not_empty("model", args.model)
     defaults = TrainConfig()
     for name in vars(args):
         if getattr(args, name) is None and hasattr(defaults, name) and name != "window":

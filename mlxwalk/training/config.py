@@ -20,6 +20,24 @@ OPTIMIZERS = ("adam", "adamw", "sgd")
 SCHEDULES = ("cosine_decay", "linear_schedule")
 ON_NAN = ("stop", "skip")
 KINDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}
+# --seed: numpy's legacy range. MLX's mx.random.seed takes up to 2**64 - 1, but the run derives
+# seeds from it (the seed plus the window's number, times a million and the chunk's for dropout),
+# which must stay within that too.
+SEED_LIMIT = 2**32 - 1
+PATHS = ("model", "data", "adapter_path")  # flags naming a place: an empty one is refused
+
+
+def not_empty(name: str, value) -> None:
+    """A path flag given as "" (an unset shell variable) is refused, not read as absent."""
+    if isinstance(value, str) and not value.strip():
+        raise ConfigError(
+            f"{flag(name)} is empty (an unset shell variable?); give it a value or leave it out"
+        )
+
+
+def seed_range(value) -> None:
+    if value is not None and not 0 <= value <= SEED_LIMIT:
+        raise ConfigError(f"--seed must be between 0 and {SEED_LIMIT} (2^32 - 1), got {value}")
 
 
 def flag(name: str) -> str:
@@ -178,7 +196,9 @@ class TrainConfig:
         for name in ("epochs", "chunk", "window", "iters", "rank", "windows_per_step"):
             at_least(name, getattr(self, name), 1)
         at_least("horizon", self.horizon, 0, " (0 = the whole window)")
-        at_least("seed", self.seed, 0)
+        seed_range(self.seed)
+        for name in PATHS:
+            not_empty(name, getattr(self, name))
         at_least("save_every", self.save_every, 0, " (0 = at each epoch's end)")
         at_least("steps_per_eval", self.steps_per_eval, 0, " (0 = at each epoch's end)")
         at_least("warmup", self.warmup, 0)

@@ -194,7 +194,13 @@ def mlx_to_peft(src: Path, model: Path | None = None) -> tuple[dict, dict]:
 def convert(src: Path, dst: Path, model: Path | None = None) -> str:
     """Convert the adapter in `src` to the other format in `dst` (a new or empty folder, written
     whole or not at all); returns the format written."""
+    from . import models
+    from .config import not_empty
+
     src, dst = Path(src), Path(dst)
+    if model is not None:  # a bundled name or a cached hub id, as `mlxwalk train` takes them
+        not_empty("model", str(model))
+        model = models.resolve(str(model))
     source = kind(src)
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise FolderError(f"{dst} exists and is not an empty folder")

@@ -460,4 +460,11 @@ def check_folder(folder) -> Path:
         raise DataError(f"data folder {path} does not exist")
     if not (path / "train.jsonl").exists():
         raise DataError(f"data folder {path} has no train.jsonl")
+    for name in ("train.jsonl", "valid.jsonl"):  # a named pipe would be waited on for ever
+        file = path / name
+        if file.exists() and not file.is_file():
+            raise DataError(
+                f"{file} is not a regular file (a named pipe, a device or a folder); "
+                "give a file of jsonl rows"
+            )
     return path

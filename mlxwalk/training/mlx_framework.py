@@ -81,6 +81,35 @@ class WindowStep:
         return replace(self.base, seed=seed)
 
 
+def fits_machine(model, layout, walk, cfg) -> None:
+    """Without a memory budget: `mlxwalk plan`'s estimate (one chunk's graph not measured)
+    against this machine's memory, refused before the first window when it exceeds it; on the
+    CPU an allocation that large would fail in the window, at worst as a segmentation fault."""
+    from ..errors import OutOfMemory
+    from ..plan import mib
+    from ..walk import budget
+
+    memory = machine.memory()
+    unmeasured = budget.Activations(cfg.chunk, 0.0, 0.0)
+    est = budget.estimate(model, layout, unmeasured, walk.plan, cfg.cache_type)
+    if walk.keep != "off" and not est.inputs:
+        est = replace(est, inputs=walk.inputs_bytes(walk.plan))
+    if memory.bytes is None or est.total <= memory.bytes:
+        return
+    if est.weights + est.adapter > memory.bytes:
+        what = "a lower --rank, fewer --num-layers or a smaller model would be needed"
+    else:
+        what = budget.what_fits(layout, cfg.cache_type)
+    raise OutOfMemory(
+        f"memory: the walk needs {mib(est.total)} at least (weights {mib(est.weights)}, adapter "
+        f"and optimizer {mib(est.adapter)}, K/V store {mib(est.store)}, accumulators "
+        f"{mib(est.accumulators)}, checkpoints {mib(est.checkpoints)}"
+        + (f", kept layer inputs {mib(est.inputs)}" if est.inputs else "")
+        + f") and no --memory-budget-mib is given, but this machine has {mib(memory.bytes)}; "
+        f"{what}"
+    )
+
+
 class MLXFramework(Framework):
     name = "mlx"
     adapter_files = ("adapters.safetensors", "adapter_config.json")
@@ -137,6 +166,7 @@ class MLXFramework(Framework):
         store = budget.store_bytes(self.layout, walk.plan.computed, cfg.cache_type)
         est = walk.estimate
         if est is None:
+            fits_machine(self.model, self.layout, walk, cfg)
             return Admission(walk.plan, store)
         return Admission(walk.plan, est.store, est.total, est.graph)
 

@@ -56,6 +56,7 @@ def load(
             f"model folder {folder} has no tokenizer (none of "
             f"{', '.join(TOKENIZER_FILES)}): reading text needs one"
         )
+    check_config(folder)
     try:
         return mlx_lm.load(
             str(folder),
@@ -73,6 +74,8 @@ def load(
             f"{folder / 'config.json'} lacks {missing}, which its model type needs"
         ) from None
     except (RuntimeError, ValueError) as e:
+        if str(e).startswith("Missing") and "parameters" in str(e):
+            raise BadModel(missing_weights(folder, str(e))) from None
         if "safetensors" not in str(e):
             raise
         where = damaged(folder) or damaged(Path(adapter_path or folder)) or folder
@@ -81,6 +84,44 @@ def load(
 
 class BadModel(ModelError):
     """A model folder mlx-lm can't load, named by the file at fault."""
+
+
+def check_config(folder: Path) -> None:
+    """A config.json mlx-lm would fail on with a KeyError: no `model_type`, which picks the
+    model's code. (One that is not JSON is left to mlx-lm's load, which says so by file.)"""
+    file = folder / "config.json"
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, ValueError):
+        return
+    if not isinstance(config, dict):
+        raise BadModel(f"{file} holds no JSON object")
+    if "model_type" not in config:
+        raise BadModel(f"{file} has no 'model_type' key, which names the model's architecture")
+
+
+INDEX = "model.safetensors.index.json"
+
+
+def missing_weights(folder: Path, said: str) -> str:
+    """mlx-lm's `Missing N parameters:` said by file: the shards the index lists that are not
+    there, else the first parameters missing."""
+    try:
+        shards = sorted(set(json.loads((folder / INDEX).read_text())["weight_map"].values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        shards = []
+    gone = [name for name in shards if not (folder / name).is_file()]
+    if gone:
+        return (
+            f"model folder {folder} lacks {', '.join(gone)}, which {INDEX} lists: the download "
+            "is incomplete"
+        )
+    head, _, names = said.partition(":")
+    names = [n.strip(",.") for n in names.split()]
+    shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+    return f"model folder {folder}: its weights lack {head.removeprefix('Missing ')}" + (
+        f" ({shown})" if shown else ""
+    )
 
 
 def _json_file(folder: Path, adapter_path: str | None) -> Path:

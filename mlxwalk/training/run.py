@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import numpy as np
+import numpy.random  # noqa: F401  (now, not lazily at the first window: see `noticed`)
 
 from ..errors import ConfigError, FolderError, NonFinite, RanksError
 from ..plan import MIB
@@ -116,6 +117,7 @@ class Run:
         self.undo = None  # (position, adapter and optimizer state) at the window's start
         self.partial: Epoch | None = None  # the epoch row of a run stopped by --iters
         self.bar = None
+        self.stops: noticed | None = None  # the loop's stop signals, while it runs
         self.rescued: Path | None = None  # where a failed write's adapter went instead
         if cfg.optimizer != "sgd" and cfg.lr > LR_WARN:
             echo(
@@ -267,6 +269,7 @@ class Run:
         shown = cfg.progress and self.ranks.leader
         self.bar = report.progress(total, self.position.windows, enabled=shown)
         self.fw.train_mode(True)
+        self.stops = noticed()
         try:
             while self.position.epoch < cfg.epochs:
                 order = self.order(self.position.epoch)
@@ -288,7 +291,13 @@ class Run:
                 self.checkpoint()
                 break
         finally:
+            self.stops.close()
             self.bar.close()
+
+    def on_chunk(self, *args) -> None:
+        if self.stops is not None:
+            self.stops.check()
+        self.bar.chunk(*args)
 
     def step(self, examples: list[data.Example]) -> None:
         """One optimizer step on the windows `examples` (the step's slice of the epoch's order;
@@ -296,12 +305,14 @@ class Run:
         taken; an interruption before that puts the adapter back as it was (`undo`)."""
         p, cfg, fw = self.position, self.cfg, self.fw
         self.undo = (p, fw.snapshot())
+        if self.stops is not None:
+            self.stops.check()
         tic = time.perf_counter()
         fw.reset_peak()
         if cfg.walk == "plain":
-            stepped = fw.step_plain(examples[0], cfg, cfg.seed + p.windows, self.bar.chunk)
+            stepped = fw.step_plain(examples[0], cfg, cfg.seed + p.windows, self.on_chunk)
         else:
-            stepped = fw.step(examples, cfg, cfg.seed + p.windows, self.bar.chunk)
+            stepped = fw.step(examples, cfg, cfg.seed + p.windows, self.on_chunk)
         self.reduce_seconds += stepped.reduce_seconds  # the wait for the slowest rank too
         if not stepped.finite:
             fw.restore(self.undo[1])
@@ -521,12 +532,54 @@ class Run:
         return summary
 
 
+STOP_SIGNALS = tuple(
+    getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name)
+)
+
+
+class noticed:
+    """The loop's stop signals (Ctrl-C, and those handled as it) noted as they come, as well as
+    handled: an interruption that code in the window swallows (an import interrupted, as numpy's
+    lazy `numpy.random` is now and then) is raised again at the next chunk (`check`). Signals
+    ignored, or left to their default action, are left so."""
+
+    def __init__(self):
+        self.came: int | None = None
+        self.saved = {}
+        for sig in STOP_SIGNALS:
+            handler = signal.getsignal(sig)
+            if not callable(handler):
+                continue
+            try:
+                signal.signal(sig, self.noting(handler))
+            except ValueError:  # not the main thread
+                continue
+            self.saved[sig] = handler
+
+    def noting(self, handler):
+        def note(signum, frame):
+            self.came = signum
+            handler(signum, frame)
+
+        return note
+
+    def check(self) -> None:
+        if self.came is not None:
+            self.came = None
+            raise KeyboardInterrupt
+
+    def close(self) -> None:
+        for sig, handler in self.saved.items():
+            signal.signal(sig, handler)
+        self.saved = {}
+
+
 class shielded:
-    """SIGINT and SIGTERM held off within the block (where the main thread can hold them)."""
+    """The stop signals held off within the block (where the main thread can hold them)."""
 
     def __enter__(self):
         self.saved = {}
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in STOP_SIGNALS:
             try:
                 self.saved[sig] = signal.signal(sig, signal.SIG_IGN)
             except ValueError:  # not the main thread

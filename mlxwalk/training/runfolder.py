@@ -106,6 +106,8 @@ def identity(cfg, model_path: str, fingerprint: str, data_files: list[Path], win
             "mask_prompt": cfg.mask_prompt,
             "val_split": cfg.val_split,
             "seed": cfg.seed,
+            "chunk": cfg.chunk,  # (the window is rounded up to it when --window is not given)
+            "window_given": cfg.window is not None,
         },
     }
 
@@ -140,9 +142,24 @@ def mismatch(saved: dict, now: dict, folder: Path) -> str | None:
     if saved["data"]["fingerprint"] != now["data"]["fingerprint"]:
         return f"{was} trained on other data (its train.jsonl and valid.jsonl have changed)"
     for key, flag in DATA_FLAGS.items():
+        if key == "window" and (why := window_from_chunk(saved["data"], now["data"])):
+            return f"{was} trained with {why}"
         if saved["data"].get(key) != now["data"].get(key):
             return f"{was} trained with {flag} {saved['data'].get(key)}; this one asks for {now['data'].get(key)}"  # noqa: E501
     return None
+
+
+def window_from_chunk(saved: dict, now: dict) -> str | None:
+    """A window that differs because --chunk does (the window rounded up to it), said so."""
+    chunk, now_chunk = saved.get("chunk"), now.get("chunk")
+    if saved.get("window") == now.get("window") or chunk in (None, now_chunk):
+        return None
+    if saved.get("window_given") and now.get("window_given"):
+        return None  # both given by --window: that is what differs
+    return (
+        f"--chunk {chunk} (a window of {saved.get('window')}); this one asks for --chunk "
+        f"{now_chunk} (a window of {now.get('window')})"
+    )
 
 
 class RunFolder:
@@ -161,8 +178,15 @@ class RunFolder:
     def claim(self, overwrite: bool, resume: bool) -> None:
         """Refuse a fresh run in a folder that holds another (before anything is loaded)."""
         held = self.held()
-        if resume or not held:
+        # run.json alone: a run that died before its first checkpoint, with nothing to keep
+        if resume or not held or held == [MANIFEST]:
             return
+        if not overwrite and MANIFEST not in held:
+            raise FolderError(
+                f"adapter path {self.folder} holds another run's files ({', '.join(held)}) but "
+                f"no {MANIFEST} to resume it from; replace them with --overwrite, or choose "
+                "another --adapter-path"
+            )
         if not overwrite:
             raise FolderError(
                 f"adapter path {self.folder} holds another run ({', '.join(held)}); continue it "
@@ -206,18 +230,29 @@ class RunFolder:
         """Adopt the run in this folder, or refuse by name what differs."""
         manifest = self.folder / MANIFEST
         if not manifest.exists():
-            what = "no checkpoint" if not self.held() else f"no {MANIFEST} (no run's identity)"
-            raise FolderError(f"--resume: {self.folder} holds {what}; nothing to resume")
+            if not self.held():
+                raise FolderError(
+                    f"--resume: {self.folder} holds no run; nothing to resume: run the same "
+                    "command without --resume to start one"
+                )
+            raise FolderError(
+                f"--resume: {self.folder} holds no {MANIFEST} (no run's identity); nothing to "
+                "resume: start a new run there with --overwrite instead of --resume"
+            )
         try:
             saved = json.loads(manifest.read_text())
             self.run_id = saved["run"]
             problem = mismatch(saved, ident, self.folder)
         except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
             raise FolderError(f"--resume: {manifest} is damaged; start a new run") from None
+        if not self.complete():  # it stopped before its first checkpoint
+            raise FolderError(
+                f"--resume: the run in {self.folder} stopped before its first checkpoint, so "
+                f"there is nothing to resume; run the same command with --overwrite instead of "
+                "--resume to start it again"
+            )
         if problem:
             raise FolderError(f"--resume: {problem}; start a new run or match it")
-        if not self.complete():
-            raise FolderError(f"--resume: no checkpoint of this run in {self.checkpoints}")
 
     # --- checkpoints ------------------------------------------------------------------------------
 
