@@ -444,7 +444,8 @@ def test_environment_switches_refuse_unknown_values_by_name(capsys, monkeypatch)
     monkeypatch.delenv("MLXWALK_KERNELS")
     if sys.platform.startswith("linux"):
         monkeypatch.setenv("MLXWALK_BLAS", "/nowhere/libblas.so")
-        monkeypatch.setattr(_blas, "loaded", None)
+        monkeypatch.setattr(_blas, "loaded", None)  # a fresh process: nothing routed or tried
+        monkeypatch.setattr(_blas, "tried", False)
         assert "MLXWALK_BLAS='/nowhere/libblas.so' is unknown" in refused(
             capsys, "plan", "--window", "64"
         )
