@@ -43,6 +43,13 @@ def on_sigterm(*_) -> None:
 STOPS = ("SIGTERM", "SIGHUP")  # a kill, a closed terminal: each handled like Ctrl-C
 
 
+def catch_stops() -> None:
+    """Every entry point's stops (STOPS) handled as Ctrl-C is: what was trained is saved."""
+    for name in STOPS:
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), on_sigterm)
+
+
 def fail(prog: str, e: BaseException) -> int:
     """A refusal or failure as one line on stderr and exit 2; an interruption as one line, 130."""
     if isinstance(e, KeyboardInterrupt):
@@ -84,9 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser().print_help()
         return 2
-    for name in STOPS:
-        if hasattr(signal, name):
-            signal.signal(getattr(signal, name), on_sigterm)
+    catch_stops()
     try:
         setup()
         return args.run(args)

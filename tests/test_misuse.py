@@ -356,3 +356,13 @@ def test_convert_adapter_takes_a_bundled_model_name(finished, tmp_path, capsys):
     assert (back / "adapters.safetensors").is_file()
     config = json.loads((back / "adapter_config.json").read_text())
     assert config["num_layers"] == 2
+
+
+def test_the_drop_in_handles_a_closed_terminal_as_the_commands_do(monkeypatch):
+    from mlxwalk.plugin import lora
+
+    seen = {}
+    monkeypatch.setattr(signal, "signal", lambda s, handler: seen.__setitem__(s, handler))
+    with pytest.raises(SystemExit):
+        lora.main(["--version"])
+    assert seen.get(signal.SIGHUP) is cli.on_sigterm and seen.get(signal.SIGTERM) is cli.on_sigterm

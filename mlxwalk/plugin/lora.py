@@ -511,11 +511,9 @@ def train(o, model, train_set, valid_set, args, walk_config, callback) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import signal
+    from ..cli import catch_stops, fail, setup
 
-    from ..cli import fail, on_sigterm, setup
-
-    signal.signal(signal.SIGTERM, on_sigterm)
+    catch_stops()
     try:
         setup()
         run(options(argv))
