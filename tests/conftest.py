@@ -8,6 +8,11 @@ import mlxwalk
 
 pytest_plugins = ["tests.skips"]  # under MLXWALK_NO_SKIPS=1 a skip outside torch's fails the run
 
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:  # (pytest-xdist's workers: -n auto)
+    # OpenBLAS's threads spin while they wait: a worker a core, each with all the cores' threads,
+    # ran the suite slower than one process did. Each worker takes its share, before OpenBLAS loads.
+    share = (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", str(max(share, 1)))
 mlxwalk.use_openblas()  # MLX's CPU GEMMs on OpenBLAS, as the command-line entry points do
 
 # Bundled models are generated once per test session, away from the user's cache.

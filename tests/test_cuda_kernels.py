@@ -14,7 +14,10 @@ from metal_kernels.attention import blocks
 from mlxwalk.ops import routing
 from mlxwalk.ops.attention import check
 
-pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator needs g++")
+pytestmark = [
+    pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator needs g++"),
+    pytest.mark.slow,  # compiles every kernel: `python -m pytest -m slow`
+]
 tensor_cores = importlib.import_module("metal_kernels.attention.tensor_cores")
 SIZES = check.Sizes(chunk=40, start=70, grad_from=25)
 

@@ -21,7 +21,10 @@ from mlxwalk.ops.delta import gated_delta_chunked
 from .delta_checks import NAMES, relative_error, through
 from .kernel_edits import mutating
 
-pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator needs g++")
+pytestmark = [
+    pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator needs g++"),
+    pytest.mark.slow,  # compiles every kernel: `python -m pytest -m slow`
+]
 
 F32 = 1e-5  # float32: FMA in float32 like the twin, in another order
 # Half precision: a derived float32 operand enters the products as hi + lo halves (16 bits of

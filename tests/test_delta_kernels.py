@@ -9,6 +9,8 @@ import metal_kernels.delta as delta_kernels
 from metal_kernels import build, harness
 from mlxwalk.ops import delta, delta_scan, routing
 
+pytestmark = pytest.mark.slow  # compiles every kernel: `python -m pytest -m slow`
+
 F32 = 1e-5
 
 

@@ -8,6 +8,8 @@ import pytest
 from metal_kernels import harness
 from mlxwalk.ops import delta, delta_chunked, routing
 
+pytestmark = pytest.mark.slow  # compiles every kernel: `python -m pytest -m slow`
+
 
 def layer(t=70, hk=1, hv=2, d=64, seed=1):
     case = routing.ChunkedDeltaCase("metal", mx.float32, hk, hv, d)

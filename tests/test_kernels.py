@@ -16,6 +16,8 @@ from mlxwalk.plan import PlanError
 
 from .kernel_edits import mutating
 
+pytestmark = pytest.mark.slow  # compiles every kernel: `python -m pytest -m slow`
+
 F32 = 1e-5  # float32: the kernels accumulate in float32 like the twin, in another order
 
 

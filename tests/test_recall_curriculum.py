@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # the benchmark script end to end: `python -m pytest -m slow`
+
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "recall-curriculum.py"
 
 
