@@ -244,3 +244,22 @@ def test_one_position_chunks_take_the_routed_rule(monkeypatch):
     monkeypatch.undo()
     recurrent.route(model, "mlxwalk")  # the modeling module's names back on the real rule
     assert (1, True) in calls  # transformers' per-token rule for these: routed too
+
+
+def test_models_load_with_no_kernels_from_the_hub(monkeypatch, tmp_path):
+    """transformers 5.25 kernelizes a model with kernels fetched from the Hub unless told not to
+    (on CUDA: a download, refused offline as 'could not verify publisher trust status', and
+    another rotary embedding than the walk was checked on)."""
+    from transformers import AutoModelForCausalLM
+
+    seen = {}
+
+    def loading(*args, **kwargs):
+        seen.update(kwargs)
+        raise RuntimeError("loaded no further")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", loading)
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(RuntimeError, match="loaded no further"):
+        models.load(tmp_path)
+    assert seen["use_kernels"] is False and seen["local_files_only"] is True

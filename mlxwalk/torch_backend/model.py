@@ -81,8 +81,15 @@ def load(
     folder = Path(folder)
     if not (folder / "config.json").is_file():
         raise ModelError(f"{folder}: not a model folder (no config.json)")
+    # use_kernels=False: transformers 5.25 kernelizes layers with kernels fetched from the Hub by
+    # default where the `kernels` package is installed (it is a dependency of 5.25): a download,
+    # refused offline, and another rotary embedding than the one the walk was checked on
     model = AutoModelForCausalLM.from_pretrained(
-        str(folder), dtype=dtype, local_files_only=True, attn_implementation=attention
+        str(folder),
+        dtype=dtype,
+        local_files_only=True,
+        attn_implementation=attention,
+        use_kernels=False,
     )
     model = model.to(device) if device else model
     recurrent.route(model, delta_rule)
