@@ -10,11 +10,12 @@ atomics (Apple GPUs emulate float atomics):
 Accumulation is float32 whatever the inputs' dtype; outputs are float32.
 
 The Metal bodies run on Apple's 8x8 simdgroup matrices, in blocks of rows per threadgroup
-(`blocks.py` says which and why); their CUDA twins (`*.cu`) keep the scalar algorithm, one warp
-per row, and launch with their own geometry (`backend="cuda"`). On CUDA, float16/bfloat16 inputs
-take tensor-core variants instead (`*_tc.cu`, CUDA only: FlashAttention-2 on mma.sync with
-ldmatrix and cp.async, float32 softmax and accumulators in registers, the same contract; launched
-by `tensor_cores.py` with the block shapes of `blocks.CUDA`).
+(`blocks.py` says which and why); their CUDA twins (`*.cu`) share their contract and math but not
+their design: scalar, one warp per row, with their own geometry (`backend="cuda"`). On CUDA,
+float16/bfloat16 inputs take tensor-core variants instead (`*_tc.cu`, CUDA only: FlashAttention-2
+on mma.sync with ldmatrix and cp.async, float32 softmax and accumulators in registers, the same
+contract; launched by `tensor_cores.py` with the block shapes of `blocks.CUDA`). A CUDA timing
+says nothing about a Metal body's speed (each `.cu` header says what it shares).
 """
 
 from __future__ import annotations

@@ -1,5 +1,16 @@
-// Chunk attention backward, dK/dV of the tapped prefix and the chunk's own keys (CUDA twin of
-// dkdv.metal: one warp per key row, no atomics).
+// Chunk attention backward, dK/dV of the tapped prefix and the chunk's own keys: the scalar CUDA
+// twin of dkdv.metal (CUDA runs it for float32 inputs; float16/bfloat16 take dkdv_tc.cu).
+// Shared with dkdv.metal: the contract (dq's inputs; dk, dv (B, HKV, NT + L, D) float32, the
+// taps [GF, START) then the own keys) and the math: dk_j = scale * sum_i ds_ij q_i and
+// dv_j = sum_i p_ij do_i over the grouped query heads and the queries that see key j, in
+// float32, no atomics.
+// Not shared: one warp per key row, ROWS = 4 warps (128 threads) a block, the row's K and V
+// staged as float32 (shared memory 9 KiB at D = 256 with 32 p and dS values), Q/dO read from
+// global memory, 32 queries a step, scalar dots; natural exp; no matrix units. dkdv.metal owns
+// 16-32 key rows a threadgroup, SPLIT simdgroups per 8 rows summing partial scores, Q/dO blocks
+// staged (blocks.METAL, <= 32 KiB), 8x8 simdgroup_float8x8 products. The summation orders
+// differ, so results agree to rounding only, and a timing of this kernel on an NVIDIA GPU says
+// nothing about dkdv.metal's speed.
 __shared__ float tk[ROWS][D];
 __shared__ float tv[ROWS][D];
 __shared__ float tp[ROWS][32];

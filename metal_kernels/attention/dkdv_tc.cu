@@ -1,16 +1,17 @@
 // Chunk attention backward, dK/dV of the taps [GF, START) and the chunk's own keys, on tensor
-// cores (CUDA only; the contract of dkdv.metal/dkdv.cu), FlashAttention-2's dK/dV pass without
-// atomics: a block of NW warps owns BKV key rows of one K/V head (K and V staged once) and walks
-// every query of every query head of its group in tiles of BM, Q, dO, the log-sum-exps and the
-// deltas double buffered through cp.async, so dK and dV are summed over the group inside the
-// block. Per tile and warp: S^T = K Q^T and dP^T = V dO^T on tensor cores (K and V fragments
-// from shared memory, or in registers when KREG), P^T = exp(S^T scale - lse) and
-// dS^T = P^T (dP^T - delta) in float32 in registers, packed to T where they were computed and
-// used as the A operands of dV += P^T dO and dK += dS^T Q (dO and Q read transposed).
-// SPLIT = 2 (head dim 256, where one warp cannot hold dK and dV for all D columns): two warps
-// share 16 key rows; each scores half of the tile's queries over all of D, the pair swaps its
-// packed P^T/dS^T fragments through shared memory (no score is computed twice), and each
-// accumulates dK/dV for half of D over the whole tile.
+// cores (CUDA only, float16/bfloat16; float32 takes dkdv.cu): FlashAttention-2's dK/dV pass.
+// Shared with dkdv.metal: the contract (dq's inputs; dk, dv (B, HKV, NT + L, D) float32, the taps
+// then the own keys) and the math: P^T = exp(S^T scale - lse), dS^T = P^T (dP^T - delta),
+// dV = sum P^T dO and dK = scale * sum dS^T Q over every query of the grouped heads that sees the
+// key, summed inside the block (no atomics), float32 accumulators.
+// Not shared: a block of NW warps owns BKV key rows (128; 64 at D = 256, SPLIT = 2: two warps on
+// each 16 rows, each with half of D, swapping packed P^T/dS^T fragments through shared memory);
+// queries walked in tiles of BM, Q, dO, lse and delta double buffered through cp.async in
+// 73-215 KiB of shared memory; products on mma.sync m16n8k16 with ldmatrix (K, V in registers
+// when KREG), P^T and dS^T rounded to T as A operands. dkdv.metal: 16-32 key rows a threadgroup,
+// SPLIT simdgroups per 8 rows summing partial scores, 8x8 simdgroup_float8x8 products in float,
+// <= 32 KiB of threadgroup memory, no async copies. A timing of this kernel on an NVIDIA GPU
+// says nothing about dkdv.metal's speed.
 // Template: T, S, D, NW, BM, SPLIT, KREG (metal_kernels/attention/blocks.py).
 using namespace mlxwalk_tc;
 constexpr int GROUPS = NW / SPLIT, BKV = 16 * GROUPS, THREADS = 32 * NW, P = D + PAD;

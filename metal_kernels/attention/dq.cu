@@ -1,4 +1,15 @@
-// Chunk attention backward, dQ (CUDA twin of dq.metal).
+// Chunk attention backward, dQ: the scalar CUDA twin of dq.metal (CUDA runs it for float32
+// inputs; float16/bfloat16 take dq_tc.cu).
+// Shared with dq.metal: the contract (the forward's inputs plus d_out, lse, delta; dq (B, HQ, L,
+// D) float32, the same layouts) and the math: dq_i = scale * sum_j p_ij (do_i . v_j - delta_i)
+// k_j over every key the query saw, p recomputed from the saved log-sum-exp, in float32.
+// Not shared: one warp per query row, ROWS = 4 warps (128 threads) a block, each lane one key of
+// 32 a step (scalar dots over D), D / 32 dims of dQ a lane; natural exp, not exp2; K/V read
+// from global memory, unstaged; shared memory the rows of Q and dO and 32 dS values (8.5 KiB at
+// D = 256); no matrix units. dq.metal runs 8x8 simdgroup_float8x8 products over 8-64 query rows
+// a threadgroup and staged K/V blocks (blocks.METAL, <= 32 KiB). The summation orders differ,
+// so results agree to rounding only, and a timing of this kernel on an NVIDIA GPU says nothing
+// about dq.metal's speed.
 __shared__ float tq[ROWS][D];
 __shared__ float tdo[ROWS][D];
 __shared__ float tds[ROWS][32];

@@ -1,11 +1,16 @@
-// Chunk attention backward, dQ, on tensor cores (CUDA only; the contract of dq.metal/dq.cu),
-// FlashAttention-2's dQ pass without atomics: the forward's ownership (a block of NW warps owns
-// BQ = 16 MT NW query rows of one head, each warp MT m-tiles of 16 rows), the keys walked in
-// tiles of BN, K and V double buffered through cp.async. Per tile and warp: S = Q K^T and
-// dP = dO V^T on tensor cores (Q and dO fragments from shared memory, or in registers when
-// QREG), P = exp(S scale - lse) recomputed from the forward's log-sum-exp, dS = P (dP - delta)
-// in float32 in registers, packed to T where it was computed and used as the A operand of
-// dQ += dS K (K read transposed by ldmatrix). dQ stays in registers, written once in float32.
+// Chunk attention backward, dQ, on tensor cores (CUDA only, float16/bfloat16; float32 takes
+// dq.cu): FlashAttention-2's dQ pass without atomics.
+// Shared with dq.metal: the contract (the forward's inputs plus d_out, lse, delta; dq (B, HQ, L,
+// D) float32) and the math: P = exp(S scale - lse) recomputed from the forward's log-sum-exp,
+// dS = P (dP - delta), dQ = scale * dS K over every key the query saw, float32 accumulators,
+// dQ in registers, written once.
+// Not shared: a block of NW warps owns BQ = 16 MT NW query rows (128 in every blocks.CUDA entry);
+// keys walked in tiles of BN, K and V double buffered through cp.async in 54-198 KiB of shared
+// memory; S = Q K^T, dP = dO V^T and dQ += dS K on mma.sync m16n8k16 with ldmatrix (K read
+// transposed; Q, dO in registers when QREG); dS rounded to T as the A operand of dS K.
+// dq.metal: 8-64 query rows a threadgroup, 8x8 simdgroup_float8x8 products with dS in float,
+// <= 32 KiB of threadgroup memory, no async copies. A timing of this kernel on an NVIDIA GPU
+// says nothing about dq.metal's speed.
 // Template: T, S, D, MT, NW, BN, QREG (metal_kernels/attention/blocks.py).
 using namespace mlxwalk_tc;
 constexpr int BQ = 16 * MT * NW, THREADS = 32 * NW, P = D + PAD;

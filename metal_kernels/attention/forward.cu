@@ -1,4 +1,16 @@
-// Chunk attention forward (CUDA twin of forward.metal; the layout and the algorithm are the same).
+// Chunk attention forward: the scalar CUDA twin of forward.metal (CUDA runs it for float32
+// inputs; float16/bfloat16 take forward_tc.cu).
+// Shared with forward.metal: the contract (q, k, v, pk, pv, params, scale; o (B, HQ, L, D) and
+// lse (B, HQ, L) float32, the same layouts) and the math: the causal online softmax over the
+// prefix [0, START) read in place from the store, then the chunk's own keys, in float32;
+// o = O / l, lse = m + log(l).
+// Not shared: one warp per query row, ROWS = 4 warps (128 threads) a block, each lane scoring one
+// key of 32 a step (a scalar dot over D) and holding D / 32 dims of O; natural exp on pre-scaled
+// Q, not exp2 on log2-domain scores; K/V read from global memory, unstaged; shared memory only
+// the rows of Q and 32 probabilities (4.5 KiB at D = 256); no matrix units. forward.metal runs
+// 8x8 simdgroup_float8x8 products over 8-64 query rows a threadgroup and staged K/V blocks
+// (blocks.METAL, <= 32 KiB). The summation orders differ, so results agree to rounding only,
+// and a timing of this kernel on an NVIDIA GPU says nothing about forward.metal's speed.
 __shared__ float tq[ROWS][D];
 __shared__ float tp[ROWS][32];
 const int B = params[0], HQ = params[1], HKV = params[2], L = params[3];

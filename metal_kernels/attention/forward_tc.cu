@@ -1,15 +1,16 @@
-// Chunk attention forward on tensor cores (CUDA only; float16/bfloat16 queries, float32
-// accumulation), FlashAttention-2's forward with the contract of forward.metal/forward.cu.
-// A block of NW warps owns BQ = 16 MT NW query rows of one head, each warp MT m-tiles of 16
-// rows; it walks the keys the block sees (the prefix [0, START) from the store, then its own
-// chunk causally) in tiles of BN keys, K and V double buffered in shared memory through
-// cp.async (the next tile is in flight while this one is computed; one barrier per tile).
-// Per tile and warp: S = Q K^T on tensor cores (Q's fragments from shared memory, or kept in
-// registers when QREG), the online softmax in float32 in registers (log2 domain, quad
-// shuffles for the row max, O rescaled only when a row's max grows past 2^8), P packed to T
-// in the registers that computed it and used at once as the A operand of O += P V. O, the row
-// max and the row sum stay in registers; the output is written once, in float32, with the
-// log-sum-exp.
+// Chunk attention forward on tensor cores (CUDA only, float16/bfloat16 queries; float32 takes
+// forward.cu): FlashAttention-2's forward.
+// Shared with forward.metal: the contract (the same inputs, params and layouts; o (B, HQ, L, D)
+// and lse (B, HQ, L) float32) and the math: the causal online softmax over the prefix [0, START)
+// from the store, then the chunk's own keys, scores in the log2 domain, float32 softmax state
+// and accumulators in registers, O / l written once with the log-sum-exp.
+// Not shared: a block of NW warps owns BQ = 16 MT NW query rows (128 in every blocks.CUDA entry),
+// each warp MT m-tiles of 16 rows; keys walked in tiles of BN, K and V double buffered through
+// cp.async in 54-198 KiB of shared memory; S = Q K^T and O += P V on mma.sync m16n8k16 with
+// ldmatrix (Q in registers when QREG); O rescaled only when a row's max grows past 2^8; P rounded
+// to T as the A operand of P V. forward.metal: 8-64 query rows a threadgroup, 8x8
+// simdgroup_float8x8 products with P in float, <= 32 KiB of threadgroup memory, no async copies,
+// a rescale every block. A timing of this kernel on an NVIDIA GPU says nothing about its speed.
 // Template: T, S (the store's dtype), D, MT, NW, BN, QREG (metal_kernels/attention/blocks.py).
 using namespace mlxwalk_tc;
 constexpr int BQ = 16 * MT * NW, THREADS = 32 * NW, P = D + PAD;

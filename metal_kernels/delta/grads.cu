@@ -4,15 +4,18 @@
 //   dq += diag(gamma) dO h + dP' K,   dk += diag(d) v_new dh + dP'^T Q,   dw = -dv_new h,
 //   dcum_i = q_i.dq_i - k_i.dk_i (this value head's parts), and at the chunk's last position
 //   + sum_j k_j.(diag(d) v_new dh)_j + gamma_C <dh, h>.
-// A block owns KB key columns of one chunk of one (b, key head) and walks the key head's value
-// heads, summing dq and dk over them in place (each element by its own lane); warp w owns the
-// chunk's rows 16 w.. Q and K's KB columns are staged once; per value head dO (exact), v_new and
-// h's (then dh's) KB columns (derived: hi + lo). Per warp: dO h, then dP = dO v_new^T decayed
-// and masked in its registers and used as the A operand of dP' K (k-steps up to the warp's rows);
-// dw from dv_new's rows read straight into fragments (the A operand) against h; dP'^T directly as
-// v_new dO^T for the warp's rows j, then dP'^T Q (k-steps from the warp's rows on); last
-// v_new dh with dh swapped in where h was (<dh, h> taken on the way). No Q K^T: the gates'
-// share comes from q.dq - k.dk.
+// Shared with grads.metal: the contract (chunked.py's buffers: dq, dk summed over the key head's
+// value heads, dw, dcum one partial per key block, float32, the same layouts), the math above and
+// the decomposition: a block per (b, key head, chunk, KB = 64 key columns) walking the key
+// head's value heads, summing dq and dk in place; no Q K^T (the gates' share from q.dq - k.dk).
+// Not shared: 4 warps (128 threads, 16 of the chunk's rows each; grads.metal: 8 simdgroups, 256
+// threads, an 8-row tile each); Q, K, dO (cp.async), v_new, h and dh staged whole in
+// 63.5-167.5 KiB of shared memory (grads.metal: SK / SV columns a step, 26.8 KiB); dP' kept in
+// registers as an A operand and dP'^T recomputed as v_new dO^T (grads.metal: dP' gathered in
+// threadgroup memory as packed tiles); mma.sync m16n8k16 (float16/bfloat16;
+// v_new, h, dh as hi + lo halves, tiles.cuh) or float32 FMA in fragment layout, vs 8x8
+// simdgroup_float8x8 in float. Rounding differs; a timing on an NVIDIA GPU says nothing about
+// grads.metal's speed.
 // Template: T, DK, DV, KB, SMEM.
 using namespace mlxwalk_dt;
 constexpr int THREADS = 128, PARTS = Prec<T>::parts, PAD = Prec<T>::pad;

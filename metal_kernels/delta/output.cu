@@ -1,10 +1,16 @@
 // delta/output (CUDA; the twin of output.metal): in parallel over chunks,
 //   O = diag(gamma) Q h_c^T + (Q K^T (.) D) v_new,   D_ij = gamma_i / gamma_j for j <= i, else 0.
-// A block owns BV value columns of one chunk of one (b, value head); warp w owns the chunk's
-// rows 16 w.. Q, K (exact), the state's BV rows and v_new's BV columns (derived: hi + lo) are
-// staged once. Per warp: Q h_c^T on tensor cores, scaled by gamma per row; the scores Q K^T
-// (exact products), decayed and masked in the registers that computed them, then the A operand
-// of O += P v_new (split per k-step; k-steps past the warp's rows are zero and skipped).
+// Shared with output.metal: the contract (chunked.py's q, k, cum, h, v_new; y float32, the same
+// layouts) and the math above, in float32.
+// Not shared: the decomposition. A block of 4 warps (128 threads, 16 of the chunk's rows each)
+// owns BV = 64 value columns of one chunk of one (b, value head), so the scores Q K^T are
+// recomputed per value head and value block (output.metal: 8 simdgroups, 256 threads, per
+// (b, key head, chunk), the scores once for all its value heads, SV columns a step). Q, K
+// (cp.async), h_c's BV rows and v_new's BV columns staged once, whole, in 54.3-133.3 KiB of
+// shared memory (output.metal: 26.5-30.5 KiB); mma.sync m16n8k16 (float16/bfloat16; h_c and
+// v_new as hi + lo halves, tiles.cuh) or float32 FMA in fragment layout, vs 8x8
+// simdgroup_float8x8 in float.
+// Rounding differs; a timing on an NVIDIA GPU says nothing about output.metal's speed.
 // Template: T, DK, DV, BV, SMEM.
 using namespace mlxwalk_dt;
 constexpr int THREADS = 128, PARTS = Prec<T>::parts, PAD = Prec<T>::pad;

@@ -3,13 +3,16 @@
 // cumulative log within the chunk (gamma = exp(b)):
 //   A = beta_i (gamma_i / gamma_j) k_i.k_j (j < i),  T = (I + A)^-1,
 //   w = T diag(beta gamma) K,  u = T diag(beta) V.
-// A block of 4 warps owns one chunk: K and V staged once (cp.async), K K^T on tensor cores (exact:
-// K is the input), T by forward substitution in the four 16 x 16 diagonal blocks (a warp each)
-// merged pairwise to 64 ([[T11, 0], [A21, T22]] -> T21 = -T22 A21 T11) in float32 FMA, then w and
-// u with T diag(.) as a derived operand (hi + lo) against the exact K and V; T is lower
-// triangular, so warp m's rows need k-steps 0..m only. Writes cum (= b), w, u and with KEEP (the
-// backward's recomputation) T itself as tri for prepare_back. Inputs, outputs and their layouts
-// are chunked.py's (prepare.metal's); a block per (b, value head, chunk).
+// Shared with prepare.metal: the contract (chunked.py's inputs, params and buffers: cum (= b),
+// w, u and with KEEP tri = T, float32, the same layouts), the math above and T's construction:
+// 16 x 16 diagonal blocks by forward substitution, merged pairwise to 64 (T21 = -T22 A21 T11).
+// Not shared: a block of 4 warps (128 threads, 16 of the chunk's rows each) per (b, value head,
+// chunk), so K K^T is computed per value head (prepare.metal: 8 simdgroups, 256 threads, per
+// (b, key head, chunk), the Gram once for its value heads); K, V staged by cp.async in
+// 88.8-134.8 KiB of shared memory (prepare.metal: 18.8-26.8 KiB); products on mma.sync m16n8k16
+// (float16/bfloat16; derived operands as hi + lo halves, tiles.cuh) or float32 FMA in fragment
+// layout, the merges in float32 FMA (prepare.metal: 8x8 simdgroup_float8x8 in float). Rounding
+// differs; a timing of this kernel on an NVIDIA GPU says nothing about prepare.metal's speed.
 // Template: T (q/k/v's dtype), DK, DV, KEEP, SMEM (the launch's shared bytes, checked here).
 using namespace mlxwalk_dt;
 constexpr int THREADS = 128, PARTS = Prec<T>::parts, PAD = Prec<T>::pad;

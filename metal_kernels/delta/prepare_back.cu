@@ -7,12 +7,17 @@
 //   dv = diag(beta) dY,   dbeta = gamma (.) rowdot(dX, K) + rowdot(dY, V) + rowdot(M K, K),
 //   dcum = grads's + beta gamma (.) rowdot(dX, K) + beta (.) rowdot(M K, K)
 //          - rowdot(M^T diag(beta) K, K),
-// and dlog_g the reverse cumsum of dcum within the chunk. Only dT's strictly lower part reaches
-// dA's (T is lower triangular), so dT is masked first.
-// A block owns one chunk of one (b, key head) and walks its value heads, summing their dk in
-// place over dk_in (each element by its own lane, as each part is produced); warp w owns the chunk's rows 16 w.. K is
-// staged once, per value head V (exact), T, then dw, then du, then dT, then diag(beta) M as
-// derived parts (dw and du share a buffer). T's triangle bounds every product's k-steps.
+// and dlog_g the reverse cumsum of dcum within the chunk (dT masked to its strictly lower part).
+// Shared with prepare_back.metal: the contract (chunked.py's buffers; dk = dk_in + the above
+// summed over the key head's value heads, dv, dlog_g, dbeta float32, the same layouts), the math
+// above and the decomposition: a block per (b, key head, chunk) walking its value heads.
+// Not shared: 4 warps (128 threads, 16 of the chunk's rows each; prepare_back.metal: 8
+// simdgroups, 256 threads); K, V (cp.async), T, dw, du, dT and diag(beta) M held whole in
+// 73-151 KiB of shared memory (prepare_back.metal: SL columns a step as float32 beside packed
+// tiles, 29 KiB);
+// mma.sync m16n8k16 (float16/bfloat16; derived operands as hi + lo halves, tiles.cuh) or float32
+// FMA in fragment layout, vs 8x8 simdgroup_float8x8 in float. Rounding differs; a timing on an
+// NVIDIA GPU says nothing about prepare_back.metal's speed.
 // Template: T, DK, DV, SMEM.
 using namespace mlxwalk_dt;
 constexpr int THREADS = 128, PARTS = Prec<T>::parts, PAD = Prec<T>::pad;

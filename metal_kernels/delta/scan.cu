@@ -1,4 +1,10 @@
-// scan.metal's CUDA twin: the same algorithm, line for line.
+// scan.metal's CUDA twin: the same contract (inputs, outputs, layouts, params, all float32) and
+// the same algorithm, line for line, in the same order of accumulation: one warp per state row,
+// ROWS = 4 rows (128 threads) a block, the same grid, DK / 32 columns a lane, the row and x
+// staged in ROWS x (DK + C) floats of shared memory, no matrix units. Only the spellings differ:
+// a warp of 32 for a simdgroup of 32, __shared__ for threadgroup memory, __syncwarp for
+// simdgroup_barrier. The compilers may still contract multiply-adds differently, and a timing
+// on an NVIDIA GPU says nothing about scan.metal's speed on an Apple GPU.
 __shared__ float ts[ROWS][DK];  // the row, for the dot products
 __shared__ float tx[ROWS][C];   // x for the row, one per position
 const int N = params[0], H = params[1], DV = params[2];

@@ -1,4 +1,10 @@
-// scan_back.metal's CUDA twin: the same algorithm, line for line.
+// scan_back.metal's CUDA twin: the same contract (inputs, outputs, layouts, params, all float32)
+// and the same algorithm, line for line, in the same order of accumulation: one warp per row of
+// dS, ROWS = 4 rows (128 threads) a block, the same grid, DK / 32 columns a lane, the row, do and
+// du staged in ROWS x (DK + 2 C) floats of shared memory, no matrix units. Only the spellings
+// differ: a warp of 32 for a simdgroup of 32, __shared__ for threadgroup memory, __syncwarp for
+// simdgroup_barrier. The compilers may still contract multiply-adds differently, and a timing
+// on an NVIDIA GPU says nothing about scan_back.metal's speed on an Apple GPU.
 __shared__ float ts[ROWS][DK];  // the row of dS
 __shared__ float tdo[ROWS][C];  // column d of do
 __shared__ float tdu[ROWS][C];  // column d of du

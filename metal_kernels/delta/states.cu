@@ -1,17 +1,17 @@
 // delta/states (CUDA; the twin of states.metal): the sequential part. For each chunk c in order,
 // with S (DV x DK) the state entering it:
 //   h_c = S,   v_new = u - w S^T,   S <- gamma_C S + v_new^T diag(gamma_C / gamma) K.
-// A block owns BV value rows of one (b, value head); DKS warps share each 16 of them, warp
-// (j, p) holding rows 16 j.. and key columns p DK / DKS.. of S (float32 C fragments) for the
-// whole walk. Both products keep the state in registers: v_new^T (16 x 64) = u^T - S w^T takes
-// S's fragments as its A operand (split into hi + lo per k-step) against w (B = w rows, split
-// once per chunk in shared memory), its k range (the key columns) shared by the DKS warps, whose
-// partial sums meet through shared memory at a pair barrier; then S += (diag(gamma_C / gamma)
-// v_new)^T K takes v_new^T's fragments, decayed, as its A operand against K's own key columns
-// as they are (exact). Warps meet otherwise only at the chunk's K, w, u and cum, staged once
-// per block and double buffered through cp.async (chunk c + 1's in flight while c is walked):
-// two block barriers a chunk. DKS = 2 halves a warp's products a chunk (the walk's latency) and
-// doubles the warps walking.
+// Shared with states.metal: the contract (chunked.py's k, w, u, cum, state; h, v_new and
+// final_state float32, the same layouts), the recurrence above chunk by chunk, the state kept in
+// float32 registers for the whole walk, a block per (b, value head, BV = 32 value rows), 128
+// threads.
+// Not shared: DKS = 2 warps on each 16 value rows, each with DK / 2 key columns of S as
+// m16n8k16 C fragments, partial v_new^T sums meeting through shared memory (states.metal: a
+// simdgroup per 8 value rows, all DK, S^T as DK / 8 8x8 tiles); mma.sync m16n8k16 (float16/
+// bfloat16; derived w and S as hi + lo halves, tiles.cuh) or float32 FMA in fragment layout, vs
+// simdgroup_float8x8 in float; each chunk's K, w, u, cum double buffered through cp.async in
+// 104.5-199.5 KiB of shared memory (states.metal: SL columns a step, 18.3-26.3 KiB, no async
+// copies). Rounding differs; a timing on an NVIDIA GPU says nothing about states.metal's speed.
 // Template: T, DK, DV, BV (value rows a block, 16 per DKS warps), DKS (1 or 2), SMEM.
 using namespace mlxwalk_dt;
 constexpr int NW = BV / 16 * DKS, THREADS = 32 * NW, PARTS = Prec<T>::parts, PAD = Prec<T>::pad;

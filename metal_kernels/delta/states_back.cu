@@ -4,16 +4,17 @@
 //   dh_c = dS,   dv_new = P^T dO + diag(d) K dS^T,
 //   dS <- gamma_C dS + dO^T diag(gamma) Q - dv_new^T w,
 // and after chunk 0 the initial state's gradient d_state = dS.
-// states.cu's ownership: a block owns BV value rows of one (b, value head), DKS warps on each 16,
-// warp (j, p) holding rows 16 j.. and key columns p DK / DKS.. of dS (float32 C fragments) for
-// the whole walk. Per chunk the block stages Q, K, dO (its BV columns; exact) and w, cum
-// (STAGES = 2: double buffered through cp.async), then shares P (the warps compute its row
-// blocks, stored as hi + lo), diag(gamma) dO and w as derived parts. Per warp, transposed so that
-// the adjoint stays in registers: dv_new^T (16 x 64) = (dS K^T) diag(d) + dO^T P, dS's fragments
-// the A operand of the first product (its k range, the key columns, shared by the DKS warps) and
-// dO^T P's columns shared too, the partial sums meeting through shared memory at a pair barrier;
-// then dS += (diag(gamma) dO)^T Q - dv_new^T w over the warp's key columns, dv_new^T's fragments
-// (negated) the A operand of the last.
+// Shared with states_back.metal: the contract (chunked.py's q, k, w, cum, d_out, d_final; dh,
+// dv_new and d_state float32, the same layouts), the reverse recurrence above, dS in float32
+// registers for the whole walk, a block per (b, value head, BV = 32 value rows), 128 threads.
+// Not shared: states.cu's split (DKS = 2 warps on each 16 value rows, DK / 2 key columns each,
+// partial sums meeting through shared memory; states_back.metal: a simdgroup per 8 value rows,
+// all DK); Q, K, w, dO, cum double buffered through cp.async (STAGES 2; 1 at DK 128 float32)
+// in 142.5-222.5 KiB of shared memory
+// (states_back.metal: SL columns a step as float32, 27.3 KiB); mma.sync m16n8k16 (float16/
+// bfloat16; derived operands as hi + lo, tiles.cuh) or float32 FMA in fragment layout, vs 8x8
+// simdgroup_float8x8 in float. Rounding differs; a timing on an NVIDIA GPU says nothing about
+// states_back.metal's speed.
 // Template: T, DK, DV, BV, DKS (1 or 2), STAGES (1 or 2), SMEM.
 using namespace mlxwalk_dt;
 constexpr int NW = BV / 16 * DKS, THREADS = 32 * NW, PARTS = Prec<T>::parts, PAD = Prec<T>::pad;
