@@ -142,6 +142,21 @@ def test_a_kernel_that_fails_to_build_falls_back_with_one_line(on_harness, monke
     assert err.count("\n") == 1 and "failed to run (error: use of undeclared identifier" in err
 
 
+def test_on_a_kernel_that_fails_its_self_check_fails_loudly(on_harness, monkeypatch, capsys):
+    """MLXWALK_KERNELS=on asks for the kernels: one that fails to build or to check is an error
+    naming it (auto falls back, above), not a quiet run on the ops path."""
+
+    def broken(call):
+        raise RuntimeError("error: use of undeclared identifier 'x'")
+
+    monkeypatch.setattr(routing, "launch", broken)
+    monkeypatch.setenv("MLXWALK_KERNELS", "on")
+    q, k = mx.zeros((1, 2, 8, 128)), mx.zeros((1, 2, 8, 128))
+    with pytest.raises(RuntimeError, match="MLXWALK_KERNELS=on, and kernel attention failed its"):
+        path(q, k, None)
+    assert "failed to run (error: use of undeclared identifier" in capsys.readouterr().err
+
+
 def test_check_mode_compares_and_returns_the_twin(on_harness, monkeypatch, capsys):
     q, k, v = mx.random.normal((1, 2, 24, 64)), *mx.random.normal((2, 1, 1, 24, 64))
     monkeypatch.setenv("MLXWALK_KERNELS", "off")

@@ -167,6 +167,11 @@ def decide(case: Case, check: Checker, race: Racer | None = None) -> bool:
         ok = self_check(case, check)
         kind = case.op
         raced = RACE and kind in RACE and race is not None and not forced()
+        if not ok and mode() == "on":  # asked for the kernels: no quiet fall back
+            raise RuntimeError(
+                f"MLXWALK_KERNELS=on, and kernel {case.op} failed its self-check on {case} "
+                "(said above); unset MLXWALK_KERNELS to fall back to the ops path"
+            )
         if ok and case.backend == "metal" and raced:
             ok = won_race(case, race)
         _verdicts[case] = ok
