@@ -26,10 +26,21 @@ def test_needs_a_compiler():
 """
 
 
+WHOLE_FILE = """
+import pytest
+
+pytest.skip("{reason}", allow_module_level=True)
+"""
+
+
 @pytest.mark.parametrize("strict", [True, False])
 @pytest.mark.parametrize("extra", ["", SKIPPING])
 def test_a_skip_outside_torchs_fails_a_strict_run(tmp_path, strict, extra):
     (tmp_path / "test_some.py").write_text(BODY.format(extra=extra))
+    if extra:  # and a whole file skipped for a compiler, beside one skipped for the torch extra
+        reason = "the torch backend's tests need torch: pip install -e '.[torch]'"
+        (tmp_path / "test_compiler.py").write_text(WHOLE_FILE.format(reason="no g++ here"))
+        (tmp_path / "test_torch_side.py").write_text(WHOLE_FILE.format(reason=reason))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MLXWALK_NO_SKIPS": "1" if strict else "0"}
     out = subprocess.run(
         [
@@ -54,7 +65,9 @@ def test_a_skip_outside_torchs_fails_a_strict_run(tmp_path, strict, extra):
     )
     fails = strict and bool(extra)
     assert out.returncode == (1 if fails else 0), out.stdout[-1500:]
-    assert ("test_needs_a_compiler" in out.stdout.split("which fails the run")[-1]) == fails
+    named = out.stdout.split("which fails the run")[-1]
+    assert ("test_needs_a_compiler" in named) == fails and ("test_compiler.py" in named) == fails
+    assert "test_torch_side.py" not in named
 
 
 def test_a_plain_run_says_why_each_test_was_skipped(tmp_path):
