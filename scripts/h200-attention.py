@@ -14,7 +14,6 @@ torch's attention, then (time allowing) other block shapes per kernel.
   time:   bf16, B=1, 14 query / 2 kv heads, a 4,096-query chunk over a 61,440-position prefix in
           the walk's store plus the chunk, every prefix key tapped (dK/dV for all 65,536 keys):
             new     the tensor-core kernels: forward, delta = rowsum(dO o), dq, dkdv
-            legacy  the wmma kernels they replace (metal_kernels/attention/legacy/)
             fused   mx.grad of mx.fast.scaled_dot_product_attention on the concatenated K/V
                     (cuDNN where MLX routes it: head dim <= 128), mask "causal" (bottom-right)
             unfused the same with the scores materialized in MLX ops
@@ -100,17 +99,17 @@ def relative(a, b) -> float:
     return (mx.linalg.norm((a - b).reshape(-1)) / (mx.linalg.norm(b.reshape(-1)) + 1e-30)).item()
 
 
-def kernel_outputs(x: dict, run, blocks=None, legacy=False) -> dict:
+def kernel_outputs(x: dict, run, blocks=None) -> dict:
     """o, lse, dq, dk, dv (own rows) and the taps' dk, dv through the kernels."""
     mx = _mx()
-    mod = importlib.import_module("metal_kernels.attention.legacy") if legacy else _tc()
-    extra = {} if legacy else {"blocks": (blocks or {}).get("forward")}
+    mod = _tc()
+    extra = {"blocks": (blocks or {}).get("forward")}
     q, k, v, pk, pv, start, gf = (x[n] for n in ("q", "k", "v", "pk", "pv", "start", "gf"))
     if not start:
         pk = pv = None
     o, lse = run(mod.forward_launch(q, k, v, pk, pv, start, x["scale"], **extra))
     delta = (x["d_out"].astype(mx.float32) * o).sum(axis=-1)
-    extra = {} if legacy else {"blocks": blocks}
+    extra = {"blocks": blocks}
     dq_call, dkdv_call = mod.backward_launches(
         q, k, v, pk, pv, start, gf, x["scale"], lse, delta, x["d_out"], **extra
     )
@@ -296,17 +295,17 @@ def mlx_step(variant: str, x: dict):
     return lambda: mx.eval(grad(x["q"], x["k"], x["v"], *taps))
 
 
-def kernel_steps(x: dict, legacy: bool, blocks=None) -> dict:
+def kernel_steps(x: dict, blocks=None) -> dict:
     """fwd+bwd through the kernels, and each kernel alone (its inputs evaluated beforehand)."""
     mx = _mx()
     from metal_kernels import build
 
-    mod = importlib.import_module("metal_kernels.attention.legacy") if legacy else _tc()
+    mod = _tc()
     q, k, v, pk, pv, p, d_out, scale = (
         x[n] for n in ("q", "k", "v", "pk", "pv", "start", "d_out", "scale")
     )
-    fwd_kw = {} if legacy else {"blocks": (blocks or {}).get("forward")}
-    bwd_kw = {} if legacy else {"blocks": blocks}
+    fwd_kw = {"blocks": (blocks or {}).get("forward")}
+    bwd_kw = {"blocks": blocks}
 
     def forward():
         return build.launch(mod.forward_launch(q, k, v, pk, pv, p, scale, **fwd_kw))
@@ -335,11 +334,10 @@ def kernel_steps(x: dict, legacy: bool, blocks=None) -> dict:
 def job_time(dim: int, variant: str, a) -> None:
     x = bench_inputs(dim, a)
     flops = forward_flops(dim, a)
-    if variant in ("new", "legacy"):
-        steps = kernel_steps(x, variant == "legacy")
+    if variant == "new":
+        steps = kernel_steps(x)
         executed = {"forward": 2, "dq": 3, "dkdv": 4}
-        parts = ("fwd+bwd", "forward", "dq", "dkdv") if variant == "new" else ("fwd+bwd",)
-        for part in parts:
+        for part in ("fwd+bwd", "forward", "dq", "dkdv"):
             try:
                 s, over = timed(steps[part], a.repeats)
                 tf = (3.5 if part == "fwd+bwd" else executed[part] / 2) * flops / s / 1e12
@@ -500,7 +498,7 @@ def job_sweep(dim: int, a) -> None:
                 "smem": tables.cuda_shared_bytes(kernel, dim, b),
             }
             try:
-                steps = kernel_steps(x, legacy=False, blocks={kernel: b})
+                steps = kernel_steps(x, blocks={kernel: b})
                 s, _ = timed(steps[kernel], a.repeats)
                 row.update(ms=s * 1e3, tflops=executed[kernel] / 2 * flops / s / 1e12)
             except Exception as e:
@@ -620,7 +618,7 @@ def main() -> int:
     p.add_argument(
         "--parts", nargs="+", default=["check", "time", "sweep"], choices=["check", "time", "sweep"]
     )
-    p.add_argument("--variants", nargs="+", default=["new", "legacy", "fused", "unfused", "torch"])
+    p.add_argument("--variants", nargs="+", default=["new", "fused", "unfused", "torch"])
     p.add_argument(
         "--cases", type=int, nargs="+", help="indices into CASES (default: all; --emulate: a few)"
     )
@@ -709,7 +707,7 @@ def main() -> int:
         log("\n## Checks (relative L2 error against the float32 twin)\n")
         log("\n".join(check_table(checks)))
     if times:
-        order = {v: i for i, v in enumerate(["new", "legacy", "fused", "unfused", "torch"])}
+        order = {v: i for i, v in enumerate(["new", "fused", "unfused", "torch"])}
         times.sort(key=lambda r: (r["dim"], order.get(r["variant"], 9), r.get("part") != "fwd+bwd"))
         log(
             f"\n## Forward+backward, bf16, {a.chunk} queries over {a.prefix} + {a.chunk} keys, "
