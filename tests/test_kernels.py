@@ -266,8 +266,7 @@ def test_mlx_renders_every_metal_kernel(dim):
         source = harness.render(call)
         assert "[[kernel]] void custom_kernel_" + call.spec.name in source
         g = blocks.metal(kind, dim, mx.bfloat16)
-        split = f", {g.split}" if kind == "dkdv" else ""
-        assert f"<bfloat16_t, float16_t, {dim}, {g.rows}, {g.walk}, {g.pad}{split}>" in source
+        assert f"<bfloat16_t, float16_t, {dim}, {g.rows}, {g.walk}, {g.pad}, {g.split}>" in source
         for name in call.spec.inputs + call.spec.outputs:
             assert f"* {name} [[buffer(" in source
 
@@ -316,6 +315,9 @@ def test_the_wheel_carries_the_kernel_sources(tmp_path):
         ),  # a row's lanes taken from another layout
         ("attention/dkdv", "(2 * (rg * SPLIT + p))", "(2 * sg)", "dk", 128),  # partners' parts
         ("attention/dq", "0, KT) : 0;", "0, KT - 1) : 0;", "dq", 64),  # a key tile skipped
+        # a split simdgroup's partial S (forward), dP (dq) not summed with its partners'
+        ("attention/forward", "sum_partials<SPLIT>(s,", "sum_partials<1>(s,", "out", 256),
+        ("attention/dq", "sum_partials<SPLIT>(dp,", "sum_partials<1>(dp,", "dq", 256),
     ],
 )
 def test_the_harness_catches_a_broken_kernel(on_harness, monkeypatch, stem, old, new, broken, dim):
@@ -334,13 +336,15 @@ def test_the_harness_catches_a_broken_kernel(on_harness, monkeypatch, stem, old,
 
 def test_every_block_fits_a_threadgroup():
     """Each shape of the table within an Apple GPU's 32 KiB of threadgroup memory (the harness
-    refuses more at run time, and the tests above run every entry) and 1,024 threads."""
+    refuses more at run time, and the tests above run every entry) and 1,024 threads, and at
+    least 8 simdgroups a GPU core by the threadgroup-memory estimate."""
     for kind, dim, width in blocks.METAL:
         dtype = mx.float32 if width == "float" else mx.float16
         g = blocks.metal(kind, dim, dtype)
         assert blocks.metal_threadgroup_bytes(kind, dim, dtype) <= blocks.THREADGROUP_MEMORY
         assert g.rows % 8 == 0 and g.walk % 8 == 0 and dim % (8 * g.split) == 0
         assert g.threads <= 1024, (kind, dim, width)
+        assert blocks.simdgroups_per_core(kind, dim, dtype) >= 8, (kind, dim, width)
 
 
 def counted_launches(dtype=mx.float32, store=mx.float32, dim=64, heads=4, kv_heads=2):

@@ -94,9 +94,7 @@ def _metal(kind: str, dtype: mx.Dtype, dim: int, rows: int, heads: int) -> dict:
     g = blocks.metal(kind, dim, dtype)
     groups = -(-rows // g.rows) * heads
     names = ("BQ", "BK") if kind != "dkdv" else ("BK", "BQ")  # the rows owned, the rows walked
-    template = [(names[0], g.rows), (names[1], g.walk), ("PAD", g.pad)]
-    if kind == "dkdv":
-        template.append(("SPLIT", g.split))
+    template = [(names[0], g.rows), (names[1], g.walk), ("PAD", g.pad), ("SPLIT", g.split)]
     return {
         "grid": (groups * g.threads, 1, 1),
         "threadgroup": (g.threads, 1, 1),

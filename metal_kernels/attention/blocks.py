@@ -5,16 +5,21 @@ METAL (the `.metal` bodies on Apple's 8x8 simdgroup matrices). A simdgroup owns 
 operands the threadgroup shares are staged once in threadgroup memory (32 KiB a threadgroup on
 Apple GPUs) in the inputs' dtype, so float16 and bfloat16 share a shape ("half" below) and
 float32 has its own. Staged rows are padded by 16 bytes (`pad` elements) so that the rows of a
-block do not start on the same threadgroup-memory bank.
+block do not start on the same threadgroup-memory bank. `split` simdgroups share 8 rows, each
+holding D / split of the head dims, their partial scores summed through threadgroup memory.
+Occupancy is estimated as MLX's and metal-benchmarks' figures have it: about 60 KiB of
+threadgroup memory a GPU core, so a core holds floor(60 KiB / bytes) threadgroups; the goal is at
+least 8 simdgroups a core (ALU use saturates near 24), `simdgroups_per_core` below.
   forward, dq: a threadgroup owns `rows` query rows of one (batch, head) and walks the keys in
-    blocks of `walk`; every K/V block is read from device memory once per threadgroup, so each
+    blocks of `walk` through one threadgroup buffer, K then V (dq: V then K), as MLX's steel
+    attention does; every K/V block is read from device memory once per threadgroup, so each
     K/V element ceil(L / rows) times per query head. Q (and dQ's dO) staged once, O (dQ) in
-    registers as D / 8 float tiles a simdgroup.
+    registers as D / 8 / split float tiles a simdgroup.
   dkdv: a threadgroup owns `rows` key rows of one (batch, kv head) and walks every query of its
     grouped heads in blocks of `walk`; every Q/dO block is read once per threadgroup, so each
-    Q/dO element at most ceil(keys / rows) times. `split` simdgroups share 8 key rows, each
-    holding 64 of the head dims of K, V, dK and dV in registers (64 floats a lane at every head
-    dim), their partial scores summed through threadgroup memory.
+    Q/dO element at most ceil(keys / rows) times. K, V, dK and dV of a simdgroup's rows stay in
+    registers (D / split head dims: 64 floats a lane at every head dim). Q and dO are both read
+    by both halves of a step (S^T and dK read Q, dP^T and dV read dO), so they keep two buffers.
 
 CUDA entries, for the tensor-core kernels, go under names of their own (`CUDA...`).
 """
@@ -26,6 +31,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 THREADGROUP_MEMORY = 32768  # bytes a threadgroup may use on Apple GPUs
+CORE_THREADGROUP_MEMORY = 60 * 1024  # bytes of threadgroup memory a GPU core holds (estimate)
 KERNELS = ("forward", "dq", "dkdv")
 
 
@@ -34,7 +40,7 @@ class MetalBlocks:
     rows: int  # rows a threadgroup owns: queries (forward, dq) or keys (dkdv), 8 a simdgroup
     walk: int  # rows of the other side staged per step: keys (forward, dq), queries (dkdv)
     pad: int  # elements appended to each staged row
-    split: int  # simdgroups per 8 owned rows, each with 1 / split of the head dims (dkdv)
+    split: int  # simdgroups per 8 owned rows, each with 1 / split of the head dims
     why: str
 
     @property
@@ -50,103 +56,139 @@ def _m(rows: int, walk: int, pad: int, why: str, split: int = 1) -> MetalBlocks:
     return MetalBlocks(rows, walk, pad, split, why)
 
 
-# (kernel, head dim, "half" | "float") -> shape. The bytes in each reason are threadgroup memory.
+# (kernel, head dim, "half" | "float") -> shape. The bytes in each reason are threadgroup memory,
+# "a core" the simdgroups a GPU core holds by the estimate above.
 METAL: dict[tuple[str, int, str], MetalBlocks] = {
     ("forward", 64, "half"): _m(
         64,
-        32,
+        64,
         8,
-        "Q 64 + K, V 32 rows of 144 B: 18 KiB; 64 query rows "
-        "read K/V half as often as 32 (8 simdgroups, O 16 floats a lane)",
+        "Q 64 + K/V 64 rows of 144 B: 18 KiB, 8 simdgroups, 24 a core; "
+        "64 query rows read K/V half as often as 32 (O 16 floats a lane)",
     ),
     ("forward", 128, "half"): _m(
         64,
-        16,
+        32,
         8,
-        "Q 64 + K, V 16 rows of 272 B: 25.5 KiB; 64 rows keep "
-        "K/V reads at L/64 (O 32 floats a lane), 16 keys a step to fit",
+        "Q 64 + K/V 32 rows of 272 B: 25.5 KiB, 8 simdgroups, 16 a core; "
+        "64 rows keep K/V reads at L/64 (O 32 floats a lane)",
     ),
     ("forward", 256, "half"): _m(
         32,
+        16,
         8,
-        8,
-        "Q 32 + K, V 8 rows of 528 B: 24.8 KiB; O is 64 floats "
-        "a lane at 256, so 4 simdgroups as MLX's steel_attention",
+        "Q 32 + K/V 16 rows of 528 B: 24.8 KiB, 4 simdgroups, 8 a core; "
+        "O is 64 floats a lane at 256: MLX's steel_attention shape (32 x 16)",
     ),
     ("forward", 64, "float"): _m(
         64,
-        16,
+        32,
         4,
-        "Q 64 + K, V 16 rows of 272 B: 25.5 KiB; rows as the "
-        "half shape, half the keys a step for 4-byte rows",
+        "Q 64 + K/V 32 rows of 272 B: 25.5 KiB, 8 simdgroups, 16 a core; "
+        "rows as the half shape, half the keys a step for 4-byte rows",
     ),
     ("forward", 128, "float"): _m(
-        32, 8, 4, "Q 32 + K, V 8 rows of 528 B: 24.8 KiB; a 64-row Q alone would take 33 KiB"
+        32,
+        16,
+        4,
+        "Q 32 + K/V 16 rows of 528 B: 24.8 KiB, 4 simdgroups, 8 a core; "
+        "a 64-row Q alone would take 33 KiB",
     ),
     ("forward", 256, "float"): _m(
-        8,
+        16,
         8,
         4,
-        "Q 8 + K, V 8 rows of 1,040 B: 24.4 KiB; 16 query rows would need 33 KiB, so one simdgroup",
+        "Q 16 + K/V 8 rows of 1,040 B + partial S 1 KiB: 25.4 KiB, 4 "
+        "simdgroups (2 per 8 rows, 128 dims each), 8 a core; 32 rows would need 33 KiB for Q",
+        split=2,
     ),
     ("dq", 64, "half"): _m(
         64,
-        32,
+        64,
         8,
-        "Q, dO 64 + K, V 32 rows of 144 B: 27 KiB; K/V read L/64 times (dQ 16 floats a lane)",
+        "Q, dO 64 + K/V 64 rows of 144 B: 27 KiB, 8 simdgroups, 16 a core; "
+        "K/V read L/64 times (dQ 16 floats a lane)",
     ),
     ("dq", 128, "half"): _m(
         32,
-        16,
+        32,
         8,
-        "Q, dO 32 + K, V 16 rows of 272 B: 25.5 KiB; Q and dO "
-        "both staged double the query side against the forward",
+        "Q, dO 32 + K/V 32 rows of 272 B: 25.5 KiB, 4 simdgroups, 8 a core; "
+        "Q and dO both staged: half the forward's query rows",
     ),
     ("dq", 256, "half"): _m(
         16,
+        16,
         8,
-        8,
-        "Q, dO 16 + K, V 8 rows of 528 B: 24.8 KiB; "
-        "metal-flash-attention's 16 rows at 256 (dQ 64 floats a lane)",
+        "Q, dO 16 + K/V 16 rows of 528 B + partial S, dP 4 KiB: 28.8 KiB, 4 "
+        "simdgroups (2 per 8 rows, 128 dims of dQ each), 8 a core; 32 rows "
+        "would need 33 KiB for Q and dO alone",
+        split=2,
     ),
-    ("dq", 64, "float"): _m(32, 16, 4, "Q, dO 32 + K, V 16 rows of 272 B: 25.5 KiB"),
-    ("dq", 128, "float"): _m(16, 8, 4, "Q, dO 16 + K, V 8 rows of 528 B: 24.8 KiB"),
+    ("dq", 64, "float"): _m(
+        32,
+        32,
+        4,
+        "Q, dO 32 + K/V 32 rows of 272 B: 25.5 KiB, 4 simdgroups, 8 a core",
+    ),
+    ("dq", 128, "float"): _m(
+        16,
+        16,
+        4,
+        "Q, dO 16 + K/V 16 rows of 528 B + partial S, dP 4 KiB: 28.8 KiB, 4 "
+        "simdgroups (2 per 8 rows), 8 a core",
+        split=2,
+    ),
     ("dq", 256, "float"): _m(
         8,
         8,
-        0,
-        "Q, dO, K, V 8 rows each of 1 KiB fill 32 KiB exactly: "
-        "no room for padding (float32 at 256 only)",
+        4,
+        "Q, dO 8 + K/V 8 rows of 1,040 B + partial S, dP 2 KiB: 26.4 KiB, 4 "
+        "simdgroups on 8 rows (64 dims of dQ each), 8 a core",
+        split=4,
     ),
     ("dkdv", 64, "half"): _m(
         32,
         32,
         8,
         "K, V, dK, dV in registers (64 floats a lane); Q, dO 32 "
-        "rows of 144 B + lse, delta: 9.3 KiB; Q/dO read keys/32 times",
+        "rows of 144 B + lse, delta: 9.3 KiB, 4 simdgroups, 24 a core; Q/dO read keys/32 times",
     ),
     ("dkdv", 128, "half"): _m(
         32,
         16,
         8,
         "2 simdgroups per 8 keys (64 dims each); Q, dO 16 rows "
-        "of 272 B + partial scores 8 KiB: 16.6 KiB",
+        "of 272 B + partial scores 8 KiB: 16.6 KiB, 8 simdgroups, 24 a core",
         split=2,
     ),
     ("dkdv", 256, "half"): _m(
         16,
         16,
         8,
-        "4 simdgroups per 8 keys; Q, dO 16 rows of 528 B + "
-        "partial scores 8 KiB: 24.6 KiB; 32 keys would need 16 simdgroups",
+        "4 simdgroups per 8 keys; Q, dO 16 rows of 528 B + partial scores "
+        "8 KiB: 24.6 KiB, 8 simdgroups, 16 a core; 32 keys would need 16 simdgroups",
         split=4,
     ),
-    ("dkdv", 64, "float"): _m(32, 32, 4, "Q, dO 32 rows of 272 B + lse, delta: 17.3 KiB"),
+    ("dkdv", 64, "float"): _m(
+        32,
+        32,
+        4,
+        "Q, dO 32 rows of 272 B + lse, delta: 17.3 KiB, 4 simdgroups, 12 a core",
+    ),
     ("dkdv", 128, "float"): _m(
-        32, 16, 4, "Q, dO 16 rows of 528 B + partial scores 8 KiB: 24.6 KiB", split=2
+        32,
+        16,
+        4,
+        "Q, dO 16 rows of 528 B + partial scores 8 KiB: 24.6 KiB, 8 simdgroups, 16 a core",
+        split=2,
     ),
     ("dkdv", 256, "float"): _m(
-        16, 8, 4, "Q, dO 8 rows of 1,040 B + partial scores 4 KiB: 20.3 KiB", split=4
+        16,
+        8,
+        4,
+        "Q, dO 8 rows of 1,040 B + partial scores 4 KiB: 20.3 KiB, 8 simdgroups, 16 a core",
+        split=4,
     ),
 }
 
@@ -166,13 +208,21 @@ def metal_threadgroup_bytes(kernel: str, dim: int, dtype: mx.Dtype) -> int:
     """Threadgroup memory of a Metal kernel as its body declares it."""
     b = metal(kernel, dim, dtype)
     row = (dim + b.pad) * (4 if width(dtype) == "float" else 2)
-    if kernel == "forward":  # Q, K, V
-        return (b.rows + 2 * b.walk) * row
-    if kernel == "dq":  # Q, dO, K, V
-        return (2 * b.rows + 2 * b.walk) * row
-    # Q, dO, lse, delta; the partial scores and dP (one float where unsplit)
+    # each simdgroup's partial scores (forward: S; dq: S and dP), one float where unsplit
+    partial = b.simdgroups * 8 * b.walk if b.split > 1 else 1
+    if kernel == "forward":  # Q, K/V
+        return (b.rows + b.walk) * row + partial * 4
+    if kernel == "dq":  # Q, dO, V/K
+        return (2 * b.rows + b.walk) * row + 2 * partial * 4
+    # Q, dO, lse, delta; the partial S^T and dP^T (one float where unsplit)
     partial = 2 * b.simdgroups * 8 * b.walk if b.split > 1 else 1
     return 2 * b.walk * row + (2 * b.walk + partial) * 4
+
+
+def simdgroups_per_core(kernel: str, dim: int, dtype: mx.Dtype) -> int:
+    """The simdgroups a GPU core holds by threadgroup memory alone (CORE_THREADGROUP_MEMORY)."""
+    groups = CORE_THREADGROUP_MEMORY // metal_threadgroup_bytes(kernel, dim, dtype)
+    return groups * metal(kernel, dim, dtype).simdgroups
 
 
 # CUDA: the tensor-core kernels (`*_tc.cu`, float16/bfloat16 inputs; float32 stays on the scalar

@@ -2,10 +2,21 @@
 // Operands come from threadgroup memory (staged once per threadgroup in the inputs' dtype) or
 // device memory; each lane loads only its own two elements of a matrix (Apple's layout, below)
 // and converts them to float, as MLX's steel kernels do, so no load is a simdgroup collective.
-// Scores are kept in the log2 domain: s * scale * log2(e), and exp2.
+// Scores are kept in the log2 domain: s * scale * log2(e), and fast::exp2 (what MLX's steel
+// attention uses; the safe math mode's exp2 is the precise one).
+// A lane's tiles live in arrays (`simdgroup_float8x8 acc[DT]`) indexed only in loops marked
+// UNROLL with compile-time trip counts, so after unrolling every index is a constant and the
+// tiles stay in registers: Apple GPUs have no fast stack, and a tile array indexed at run time
+// goes to memory. Bounds known only at run time (the causal edge) are predicates inside.
+
+#define UNROLL _Pragma("clang loop unroll(full)")
 
 constant constexpr float LOG2E = 1.4426950408889634f;
 constant constexpr float LN2 = 0.6931471805599453f;
+// A masked score and the running max before any key: finite (-FLT_MAX), as MLX's steel
+// attention keeps it, so no difference of two of them is inf - inf. Probabilities of masked
+// scores are set to 0 by a select, not left to exp2 of a large negative number.
+constant constexpr float MASKED = -3.402823466e38f;
 
 // Apple's element-to-lane map of an 8x8 simdgroup matrix: lane holds (row, col) and
 // (row, col + 1). A row's 8 values sit in the 4 lanes that differ in bits 0 and 3.
@@ -108,4 +119,35 @@ inline float row_max(float x) {
 inline float row_sum(float x) {
   x += simd_shuffle_xor(x, 1);
   return x + simd_shuffle_xor(x, 8);
+}
+
+// Post this simdgroup's partial tiles x[0, n) (its 8 rows, 8 N columns) to its slot of `slot`
+// (8 x 8 N floats); `(r, c)` the lane's frag_row, frag_col.
+template <int N>
+inline void post_partial(threadgroup float* slot, thread simdgroup_float8x8 (&x)[N], int n,
+                         ushort r, ushort c) {
+  UNROLL for (int j = 0; j < N; ++j) {
+    if (j < n) {
+      const float2 e = x[j].thread_elements();
+      slot[r * 8 * N + 8 * j + c] = e[0];
+      slot[r * 8 * N + 8 * j + c + 1] = e[1];
+    }
+  }
+}
+
+// x[0, n) = the sum of P partners' partial tiles, posted in consecutive slots from `first`,
+// added in the same order by every partner (so all of them hold the same sums).
+template <int P, int N>
+inline void sum_partials(thread simdgroup_float8x8 (&x)[N], const threadgroup float* first, int n,
+                         ushort r, ushort c) {
+  UNROLL for (int j = 0; j < N; ++j) {
+    if (j < n) {
+      float2 e = 0.0f;
+      UNROLL for (int p = 0; p < P; ++p) {
+        const int at = p * 8 * 8 * N + r * 8 * N + 8 * j + c;
+        e += float2(first[at], first[at + 1]);
+      }
+      x[j].thread_elements() = e;
+    }
+  }
 }

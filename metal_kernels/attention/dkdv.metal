@@ -7,8 +7,11 @@
 // those holds D / SPLIT head dims of its 8 rows' K, V, dK and dV in registers (read from device
 // memory once) and adds its partial S^T = K Q^T and dP^T = V dO^T to its partners' through
 // threadgroup memory. The threadgroup walks every query of every grouped head in blocks of BQ,
-// staging each Q and dO block (and its lse, delta) once for all simdgroups; dV += P^T dO and
-// dK += dS^T Q are 8x8 products in float. No atomics: one threadgroup per key row.
+// staging each Q and dO block (and its lse, delta) once for all simdgroups; both stay staged
+// for the whole step (S^T and dK read Q, dP^T and dV read dO), so unlike the forward's K and V
+// they do not share one buffer. dV += P^T dO and dK += dS^T Q are 8x8 products in float; every
+// fragment loop is unrolled with a compile-time trip count, the query tiles outside the causal
+// edge skipped by predicates inside. No atomics: one threadgroup per key row.
 constexpr int LD = D + PAD, SG = BK / 8 * SPLIT, THREADS = 32 * SG;
 constexpr int DW = D / SPLIT, WT = DW / 8, QT = BQ / 8;
 threadgroup T tq[BQ * LD];
@@ -34,7 +37,7 @@ const float sc = scale[0], c2 = sc * LOG2E;
 
 // K and V: this lane's elements of its head dims, as the twin reads them (the store as T)
 simdgroup_float8x8 kf[WT], vf[WT], gk[WT], gv[WT];
-for (int t = 0; t < WT; ++t) {
+UNROLL for (int t = 0; t < WT; ++t) {
   const int d = d0 + 8 * t + fc;
   float2 x = 0.0f, y = 0.0f;
   if (kc < NT) {
@@ -69,12 +72,12 @@ for (int g = 0; g < R; ++g) {
     const int u0 = metal::max(0, (sfirst - q0) / 8);
     const int u1 = active ? metal::min(QT, (L - q0 + 7) / 8) : 0;
     simdgroup_float8x8 st[QT], dpt[QT];
-    for (int u = 0; u < QT; ++u) {
+    UNROLL for (int u = 0; u < QT; ++u) {
       st[u] = zero_tile();
       dpt[u] = zero_tile();
     }
-    for (int t = 0; t < WT; ++t) {  // partial S^T = K Q^T, dP^T = V dO^T over this simdgroup's dims
-      for (int u = 0; u < QT; ++u) {
+    UNROLL for (int t = 0; t < WT; ++t) {  // partial S^T = K Q^T, dP^T = V dO^T (own dims)
+      UNROLL for (int u = 0; u < QT; ++u) {
         if (u >= u0 && u < u1) {
           simdgroup_float8x8 qa, ga;
           load_tile_t(qa, tq, LD, d0 + 8 * t, 8 * u, fr, fc);
@@ -86,7 +89,7 @@ for (int g = 0; g < R; ++g) {
     }
     if (SPLIT > 1) {  // the whole S^T, dP^T: the partners' parts summed in one order by all
       const int mine = (2 * sg) * 8 * BQ + fr * BQ + fc;
-      for (int u = 0; u < QT; ++u) {
+      UNROLL for (int u = 0; u < QT; ++u) {
         if (u >= u0 && u < u1) {
           const float2 x = st[u].thread_elements(), y = dpt[u].thread_elements();
           tx[mine + 8 * u] = x[0];
@@ -96,10 +99,10 @@ for (int g = 0; g < R; ++g) {
         }
       }
       threadgroup_barrier(mem_flags::mem_threadgroup);
-      for (int u = 0; u < QT; ++u) {
+      UNROLL for (int u = 0; u < QT; ++u) {
         if (u >= u0 && u < u1) {
           float2 x = 0.0f, y = 0.0f;
-          for (int p = 0; p < SPLIT; ++p) {
+          UNROLL for (int p = 0; p < SPLIT; ++p) {
             const int at = (2 * (rg * SPLIT + p)) * 8 * BQ + fr * BQ + fc + 8 * u;
             x += float2(tx[at], tx[at + 1]);
             y += float2(tx[at + 8 * BQ], tx[at + 8 * BQ + 1]);
@@ -109,20 +112,20 @@ for (int g = 0; g < R; ++g) {
         }
       }
     }
-    for (int u = 0; u < QT; ++u) {  // P^T, then dS^T = P^T (dP^T - delta) in place of dP^T
+    UNROLL for (int u = 0; u < QT; ++u) {  // P^T, then dS^T = P^T (dP^T - delta) in place of dP^T
       if (u >= u0 && u < u1) {
         thread float2& s = st[u].thread_elements();
         thread float2& dp = dpt[u].thread_elements();
-        for (int e = 0; e < 2; ++e) {
+        UNROLL for (int e = 0; e < 2; ++e) {
           const int c = 8 * u + fc + e, i = q0 + c;  // the query, its place in the block
           const bool sees = i < L && kc < NK && (kc < NT || kc - NT <= i);
-          s[e] = sees ? metal::exp2(s[e] * c2 - tl[c]) : 0.0f;
+          s[e] = sees ? fast::exp2(s[e] * c2 - tl[c]) : 0.0f;
           dp[e] = s[e] * (dp[e] - td[c]);
         }
       }
     }
-    for (int t = 0; t < WT; ++t) {  // dV += P^T dO, dK += dS^T Q over this simdgroup's dims
-      for (int u = 0; u < QT; ++u) {
+    UNROLL for (int t = 0; t < WT; ++t) {  // dV += P^T dO, dK += dS^T Q over this simdgroup's dims
+      UNROLL for (int u = 0; u < QT; ++u) {
         if (u >= u0 && u < u1) {
           simdgroup_float8x8 qa, ga;
           load_tile(ga, tdo, LD, 8 * u, d0 + 8 * t, fr, fc);
@@ -137,7 +140,7 @@ for (int g = 0; g < R; ++g) {
 }
 if (active && kc < NK) {
   const size_t at = (size_t(bk) * NK + kc) * D + d0 + fc;
-  for (int t = 0; t < WT; ++t) {
+  UNROLL for (int t = 0; t < WT; ++t) {
     const float2 x = gk[t].thread_elements(), y = gv[t].thread_elements();
     dk[at + 8 * t] = x[0] * sc;
     dk[at + 8 * t + 1] = x[1] * sc;

@@ -2,14 +2,19 @@
 // key the query saw (prefix and chunk), p recomputed from the saved log-sum-exp.
 // Inputs as the forward's plus d_out (B, HQ, L, D), lse and delta = rowsum(d_out * o), both
 // (B, HQ, L) float32. dq (B, HQ, L, D) float32.
-// The forward's ownership: BQ query rows of one (b, h) a threadgroup, 8 a simdgroup, Q and dO
-// staged once, each K and V block of BK keys staged once for all simdgroups. S = Q K^T,
-// dP = dO V^T and dQ += dS K are 8x8 products in float; dQ stays in registers, D / 8 tiles.
-constexpr int LD = D + PAD, THREADS = 4 * BQ, KT = BK / 8, DT = D / 8;
+// The forward's ownership: BQ query rows of one (b, h) a threadgroup, 8 to each group of SPLIT
+// simdgroups, each holding D / SPLIT head dims of dQ in registers; Q and dO staged once. Each
+// block of BK keys goes through ONE threadgroup buffer, V first: V block, barrier,
+// dP = dO V^T, barrier, the K block in V's place, barrier, S = Q K^T, (split: barrier, the
+// partners' partial S and dP summed in one order), dS = P (dP - delta), dQ += dS K, barrier.
+// Products are 8x8 in float; every fragment loop is unrolled with a compile-time trip count.
+constexpr int LD = D + PAD, SG = BQ / 8 * SPLIT, THREADS = 32 * SG;
+constexpr int KT = BK / 8, DW = D / SPLIT, WT = DW / 8;
 threadgroup T tq[BQ * LD];
 threadgroup T tdo[BQ * LD];
-threadgroup T tk[BK * LD];
-threadgroup T tv[BK * LD];
+threadgroup T tkv[BK * LD];  // the block's V, then its K
+threadgroup float ts[SPLIT > 1 ? SG * 8 * BK : 1];  // each simdgroup's partial S
+threadgroup float tp[SPLIT > 1 ? SG * 8 * BK : 1];  // and dP
 const int HQ = params[1], HKV = params[2], L = params[3];
 const int N = params[4], START = params[5], BS = params[7];
 const uint tid = thread_index_in_threadgroup;
@@ -24,7 +29,8 @@ const device T* v_own = v + size_t(b * HKV + hk) * L * D;
 const size_t pre = size_t((BS > 1 ? b : 0) * HKV + hk) * N * D;
 const int kend = START + metal::min(q0 + BQ, L);
 
-const int r0 = q0 + 8 * sg;
+const int rg = sg / SPLIT, d0 = (sg % SPLIT) * DW;  // this simdgroup's 8 rows, its head dims
+const int r0 = q0 + 8 * rg;
 const bool active = r0 < L;
 const int klim = START + metal::min(r0 + 8, L);
 const int row = r0 + fr;  // this lane's row; past L it takes no key
@@ -36,59 +42,86 @@ const float dl = real ? delta[size_t(bh) * L + row] : 0.0f;
 
 stage_rows<D>(tq, LD, BQ, q + size_t(bh) * L * D, q0, L, tid, THREADS);
 stage_rows<D>(tdo, LD, BQ, d_out + size_t(bh) * L * D, q0, L, tid, THREADS);
-simdgroup_float8x8 acc[DT];
-for (int t = 0; t < DT; ++t) {
+simdgroup_float8x8 acc[WT];
+UNROLL for (int t = 0; t < WT; ++t) {
   acc[t] = zero_tile();
 }
 for (int k0 = 0; k0 < kend; k0 += BK) {
-  stage_keys<D>(tk, LD, BK, pk + pre, k_own, k0, START, kend, tid, THREADS);
-  stage_keys<D>(tv, LD, BK, pv + pre, v_own, k0, START, kend, tid, THREADS);
+  stage_keys<D>(tkv, LD, BK, pv + pre, v_own, k0, START, kend, tid, THREADS);
   threadgroup_barrier(mem_flags::mem_threadgroup);
   const int nt = active ? metal::clamp((klim - k0 + 7) / 8, 0, KT) : 0;
+  simdgroup_float8x8 s[KT], dp[KT];
+  UNROLL for (int j = 0; j < KT; ++j) {
+    s[j] = zero_tile();
+    dp[j] = zero_tile();
+  }
   if (nt > 0) {
-    simdgroup_float8x8 s[KT], dp[KT];
-    for (int j = 0; j < KT; ++j) {
-      s[j] = zero_tile();
-      dp[j] = zero_tile();
-    }
-    for (int t = 0; t < DT; ++t) {  // S = Q K^T, dP = dO V^T
-      simdgroup_float8x8 a, g;
-      load_tile(a, tq, LD, 8 * sg, 8 * t, fr, fc);
-      load_tile(g, tdo, LD, 8 * sg, 8 * t, fr, fc);
-      for (int j = 0; j < KT; ++j) {
+    UNROLL for (int t = 0; t < WT; ++t) {  // dP = dO V^T over this simdgroup's head dims
+      simdgroup_float8x8 g;
+      load_tile(g, tdo, LD, 8 * rg, d0 + 8 * t, fr, fc);
+      UNROLL for (int j = 0; j < KT; ++j) {
         if (j < nt) {
-          simdgroup_float8x8 kt, vt;
-          load_tile_t(kt, tk, LD, 8 * t, 8 * j, fr, fc);
-          load_tile_t(vt, tv, LD, 8 * t, 8 * j, fr, fc);
-          simdgroup_multiply_accumulate(s[j], a, kt, s[j]);
+          simdgroup_float8x8 vt;
+          load_tile_t(vt, tkv, LD, d0 + 8 * t, 8 * j, fr, fc);
           simdgroup_multiply_accumulate(dp[j], g, vt, dp[j]);
         }
       }
     }
-    for (int j = 0; j < KT; ++j) {  // dS = P (dP - delta), in place of S
+    if (SPLIT > 1) {
+      post_partial(tp + sg * 8 * BK, dp, nt, fr, fc);
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);  // V read (partials posted) before K lands
+  stage_keys<D>(tkv, LD, BK, pk + pre, k_own, k0, START, kend, tid, THREADS);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (nt > 0) {
+    UNROLL for (int t = 0; t < WT; ++t) {  // S = Q K^T over this simdgroup's head dims
+      simdgroup_float8x8 a;
+      load_tile(a, tq, LD, 8 * rg, d0 + 8 * t, fr, fc);
+      UNROLL for (int j = 0; j < KT; ++j) {
+        if (j < nt) {
+          simdgroup_float8x8 kt;
+          load_tile_t(kt, tkv, LD, d0 + 8 * t, 8 * j, fr, fc);
+          simdgroup_multiply_accumulate(s[j], a, kt, s[j]);
+        }
+      }
+    }
+    if (SPLIT > 1) {
+      post_partial(ts + sg * 8 * BK, s, nt, fr, fc);
+    }
+  }
+  if (SPLIT > 1) {
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // the partial S posted
+  }
+  if (nt > 0) {
+    if (SPLIT > 1) {  // the whole S and dP: the partners' parts, summed in one order by each
+      sum_partials<SPLIT>(s, ts + rg * SPLIT * 8 * BK, nt, fr, fc);
+      sum_partials<SPLIT>(dp, tp + rg * SPLIT * 8 * BK, nt, fr, fc);
+    }
+    UNROLL for (int j = 0; j < KT; ++j) {  // dS = P (dP - delta), in place of S
       if (j < nt) {
         thread float2& e = s[j].thread_elements();
         const float2 d = dp[j].thread_elements();
         const int key = k0 + 8 * j + fc;
-        e[0] = key < sees ? metal::exp2(e[0] * c2 - lse2) * (d[0] - dl) : 0.0f;
-        e[1] = key + 1 < sees ? metal::exp2(e[1] * c2 - lse2) * (d[1] - dl) : 0.0f;
+        e[0] = key < sees ? fast::exp2(e[0] * c2 - lse2) * (d[0] - dl) : 0.0f;
+        e[1] = key + 1 < sees ? fast::exp2(e[1] * c2 - lse2) * (d[1] - dl) : 0.0f;
       }
     }
-    for (int t = 0; t < DT; ++t) {  // dQ += dS K
-      for (int j = 0; j < KT; ++j) {
+    UNROLL for (int t = 0; t < WT; ++t) {  // dQ += dS K over this simdgroup's head dims
+      UNROLL for (int j = 0; j < KT; ++j) {
         if (j < nt) {
           simdgroup_float8x8 kf;
-          load_tile(kf, tk, LD, 8 * j, 8 * t, fr, fc);
+          load_tile(kf, tkv, LD, 8 * j, d0 + 8 * t, fr, fc);
           simdgroup_multiply_accumulate(acc[t], s[j], kf, acc[t]);
         }
       }
     }
   }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
+  threadgroup_barrier(mem_flags::mem_threadgroup);  // K and the partials read before the next V
 }
 if (real) {
-  device float* out = dq + (size_t(bh) * L + row) * D + fc;
-  for (int t = 0; t < DT; ++t) {
+  device float* out = dq + (size_t(bh) * L + row) * D + d0 + fc;
+  UNROLL for (int t = 0; t < WT; ++t) {
     const float2 e = acc[t].thread_elements();
     out[8 * t] = e[0] * sc;
     out[8 * t + 1] = e[1] * sc;

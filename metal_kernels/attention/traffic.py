@@ -64,11 +64,15 @@ def traffic(kernel: str, s: Shape) -> Traffic:
 
 
 def _query_side(kernel, s, g, t, st, d) -> Traffic:
-    """forward, dq: a threadgroup per BQ query rows of a head; the keys walked in blocks of BK."""
+    """forward, dq: a threadgroup per BQ query rows of a head; the keys walked in blocks of BK
+    through one buffer (K, then V; dq: V, then K), with 4 barriers a block (dq split: 5, the
+    partial S posted before the partners sum it)."""
     heads = s.batch * s.heads
     groups = _ceil(s.chunk, g.rows)
     staged = 1 if kernel == "forward" else 2  # Q (and dO)
-    per_row = 0 if kernel == "forward" else 4 * 2 * 4  # dq: lse and delta, by each of 4 lanes
+    # dq: lse and delta, by each of the 4 lanes of a row in each of its `split` simdgroups
+    per_row = 0 if kernel == "forward" else g.split * 4 * 2 * 4
+    steps = 4 if kernel == "forward" or g.split == 1 else 5  # barriers per key block
     reads = kv = mma = barriers = 0
     for blk in range(groups):
         q0 = blk * g.rows
@@ -76,8 +80,8 @@ def _query_side(kernel, s, g, t, st, d) -> Traffic:
         own = min(q0 + g.rows, s.chunk)  # own keys the group's last row sees
         kv += 2 * d * (s.start * st + own * t)
         reads += g.threads * _SCALARS[kernel] + rows * (staged * d * t + per_row)
-        barriers += 2 * _ceil(s.start + own, g.walk)
-        for r0 in range(q0, q0 + g.rows, 8):  # its simdgroups: key tiles their rows see
+        barriers += steps * _ceil(s.start + own, g.walk)
+        for r0 in range(q0, q0 + g.rows, 8):  # its groups of `split` simdgroups: key tiles
             if r0 < s.chunk:
                 tiles = _ceil(s.start + min(r0 + 8, s.chunk), 8)
                 mma += (2 if kernel == "forward" else 3) * (d // 8) * tiles
