@@ -119,7 +119,7 @@ for (int g = 0; g < R; ++g) {
         UNROLL for (int e = 0; e < 2; ++e) {
           const int c = 8 * u + fc + e, i = q0 + c;  // the query, its place in the block
           const bool sees = i < L && kc < NK && (kc < NT || kc - NT <= i);
-          s[e] = sees ? fast::exp2(s[e] * c2 - tl[c]) : 0.0f;
+          s[e] = sees ? metal::fast::exp2(s[e] * c2 - tl[c]) : 0.0f;
           dp[e] = s[e] * (dp[e] - td[c]);
         }
       }

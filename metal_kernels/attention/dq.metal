@@ -103,8 +103,8 @@ for (int k0 = 0; k0 < kend; k0 += BK) {
         thread float2& e = s[j].thread_elements();
         const float2 d = dp[j].thread_elements();
         const int key = k0 + 8 * j + fc;
-        e[0] = key < sees ? fast::exp2(e[0] * c2 - lse2) * (d[0] - dl) : 0.0f;
-        e[1] = key + 1 < sees ? fast::exp2(e[1] * c2 - lse2) * (d[1] - dl) : 0.0f;
+        e[0] = key < sees ? metal::fast::exp2(e[0] * c2 - lse2) * (d[0] - dl) : 0.0f;
+        e[1] = key + 1 < sees ? metal::fast::exp2(e[1] * c2 - lse2) * (d[1] - dl) : 0.0f;
       }
     }
     UNROLL for (int t = 0; t < WT; ++t) {  // dQ += dS K over this simdgroup's head dims

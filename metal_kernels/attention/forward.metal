@@ -86,14 +86,14 @@ for (int k0 = 0; k0 < kend; k0 += BK) {
     }
     // finite: the group's first block holds key 0, which every row sees
     const float m_new = metal::max(m, row_max(mx));
-    const float corr = fast::exp2(m - m_new);
+    const float corr = metal::fast::exp2(m - m_new);
     float sum = 0.0f;
     UNROLL for (int j = 0; j < KT; ++j) {
       if (j < nt) {
         thread float2& e = s[j].thread_elements();
         const int key = k0 + 8 * j + fc;
-        e[0] = key < sees ? fast::exp2(e[0] - m_new) : 0.0f;
-        e[1] = key + 1 < sees ? fast::exp2(e[1] - m_new) : 0.0f;
+        e[0] = key < sees ? metal::fast::exp2(e[0] - m_new) : 0.0f;
+        e[1] = key + 1 < sees ? metal::fast::exp2(e[1] - m_new) : 0.0f;
         sum += e[0] + e[1];
       }
     }
