@@ -3,6 +3,9 @@
 //     threadgroup a pthread; address spaces are defined away.
 //   clang, HARNESS_SPACES: parsed only, with Metal's address spaces as clang's, so a pointer that
 //     crosses them (a threadgroup array where a device pointer is expected) fails as on a Mac.
+//   clang, HARNESS_SPACES and HARNESS_PROXY: compiled to LLVM IR (harness/proxy.py), with the
+//     simdgroup functions and matrix operations as opaque calls on values, as Metal's builtins
+//     are, so that their stand-ins neither take a lane's tiles by address nor inflate the loops.
 #pragma once
 
 #ifdef HARNESS_SPACES
@@ -260,6 +263,10 @@ inline void simdgroup_barrier(mem_flags) { harness::simdgroup_sync(); }
 }  // namespace metal
 
 namespace harness {
+#ifdef HARNESS_PROXY
+template <class X> X builtin(X x);  // a simdgroup function: the lane's value in, one out
+template <class X, class F> inline X exchange(X x, F) { return builtin(x); }
+#else
 // Every lane posts its value, all meet once, then each reads what it needs (runtime.h: slots).
 template <class X, class F> inline X exchange(X x, F read) {
   double* s = slots();
@@ -269,6 +276,7 @@ template <class X, class F> inline X exchange(X x, F read) {
   slots_done();
   return out;
 }
+#endif
 }  // namespace harness
 
 namespace metal {
@@ -395,6 +403,25 @@ inline simdgroup_matrix<T, Cols, Rows> make_filled_simdgroup_matrix(const T valu
 }  // namespace metal
 
 namespace harness {
+#ifdef HARNESS_PROXY
+// Metal's builtins: a lane's two elements in and out by value, the memory by its pointer.
+template <class V, class P> V matrix_load(P src, ulong per_row, ulong col, ulong row, bool t);
+template <class V, class P> void matrix_store(V a, P dst, ulong per_row, ulong col, ulong row, bool t);
+template <class V> V matrix_product(V a, V b);
+template <class V> V matrix_product(V a, V b, V c);
+template <class M, class P>
+inline void load_matrix(M& d, P src, ulong per_row, ulong origin_col, ulong origin_row, bool t) {
+  d.elements = matrix_load<decltype(d.elements)>(src, per_row, origin_col, origin_row, t);
+}
+template <class M, class P>
+inline void store_matrix(const M& a, P dst, ulong per_row, ulong origin_col, ulong origin_row, bool t) {
+  matrix_store(a.elements, dst, per_row, origin_col, origin_row, t);
+}
+template <class T, class C>
+inline void multiply(vec<T, 2>& d, const vec<T, 2>& a, const vec<T, 2>& b, const C* c) {
+  d = c ? matrix_product(a, b, *c) : matrix_product(a, b);
+}
+#else
 // Element i of this lane in memory: origin is (column, row), transposed memory holds columns.
 inline ulong matrix_index(uint i, ulong per_row, ulong origin_col, ulong origin_row, bool t) {
   uint r, c;
@@ -435,6 +462,7 @@ inline void multiply(vec<T, 2>& d, const vec<T, 2>& a, const vec<T, 2>& b, const
   count_mma();
   d[0] = T(out[0]), d[1] = T(out[1]);
 }
+#endif
 }  // namespace harness
 
 namespace metal {
