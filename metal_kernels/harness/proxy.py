@@ -459,11 +459,9 @@ class _Lines:
     def where(self, ident: str) -> str:
         """file:line: source of a !DILocation or !DILocalVariable."""
         line = self._field(ident, "line")
-        scope = self._field(ident, "scope") or ident
-        file = self._field(scope[1:], "file")
-        while file is None and scope:  # a lexical block's file is its own or its parent's
-            scope = self._field(scope[1:], "scope")
-            file = self._field(scope[1:], "file") if scope else None
+        file, scope = self._field(ident, "file"), self._field(ident, "scope")
+        while file is None and scope:  # a location's file is its scope's, or its parent's
+            file, scope = self._field(scope[1:], "file"), self._field(scope[1:], "scope")
         filename = self._field(file[1:], "filename").strip('"') if file else "?"
         if line is None:
             return filename
@@ -483,15 +481,17 @@ def _sources(call: Launch) -> dict[str, list[str]]:
     return {f.name: f.read_text().split("\n") for f in files if f.exists()}
 
 
-def private_arrays(ir: str, kernel: str, call: Launch | None = None) -> list[PrivateArray]:
+def private_arrays(
+    ir: str, kernel: str, call: Launch | None = None, source: str | None = None
+) -> list[PrivateArray]:
     """The allocas left in the kernel's function (`kernel`: its generated name or a part of it)
     and in any function of the module it calls without inlining. `call`: name lines in the
-    kernel's .metal sources."""
+    kernel's .metal sources (`source`: its rendering, by default `render(call)`)."""
     functions = _functions(ir)
     structs = dict(_STRUCT.findall(ir))
     unit = None
     if call is not None:
-        unit = _unit(call, render(call))
+        unit = _unit(call, render(call) if source is None else source)
     lines = _Lines(ir, unit, _sources(call) if call is not None else {})
     found = []
     for name in _reached(functions, _kernel_name(ir, kernel)):
@@ -543,7 +543,8 @@ def _runtime_indices(instructions: list[str], base: str, lines: _Lines) -> tuple
             site = lines.where(dbg.group(1)) if dbg else "?"
             if site not in sites:
                 sites.append(site)
-    return tuple(sites)
+    known = [s for s in sites if s != "?"]  # "?": an instruction clang gave no line
+    return tuple(known or sites)
 
 
 def threadgroup_bytes(ir: str) -> int:
@@ -582,7 +583,7 @@ def estimate(call: Launch, ir: str | None = None) -> dict:
         "simdgroups": threads // 32,
         "simdgroups_per_core": simdgroups_per_core(tg, threads // 32),
         "live_floats": live_floats(ir, fn),
-        "private": private_arrays(ir, fn, call),
+        "private": private_arrays(ir, fn, call, source),
     }
 
 
@@ -606,14 +607,13 @@ def table(found: list[Instance], rows: list[dict]) -> str:
     notes = []
     for inst, row in zip(found, rows):
         dtype = str(inst.dtype).split(".")[-1] + (f" ({inst.variant})" if inst.variant else "")
-        tiles = [p for p in row["private"] if p.tile]
         private = ", ".join(f"{p.name} {p.bytes} B" for p in row["private"]) or "none"
         out.append(
             f"| {inst.kernel} | {inst.dim} | {dtype} | {row['threadgroup_bytes']:,} "
             f"| {row['threads']} | {row['simdgroups_per_core']} | {row['live_floats']:g} "
             f"| {private} |"
         )
-        notes += [f"- {inst.label}: {p}" for p in tiles]
+        notes += [f"- {inst.label}: {p}" for p in row["private"]]
     if notes:
         out += ["", "Private arrays left after -O2, and where a run-time value indexes them:", ""]
         out += notes
@@ -624,7 +624,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kernels", nargs="*", default=None, help="only these (attention/dq)")
     parser.add_argument("--jobs", type=int, default=None, help="compiles at once (every core)")
-    parser.add_argument("--check", action="store_true", help="exit 1 on a private tile array")
+    parser.add_argument("--check", action="store_true", help="exit 1 on any private array")
     args = parser.parse_args(argv)
     if not HAS_ZIG:
         print(NO_ZIG, file=sys.stderr)
@@ -635,8 +635,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rows = estimates(found, args.jobs)
     print(table(found, rows))
-    kept = sum(1 for row in rows for p in row["private"] if p.tile)
-    return 1 if args.check and kept else 0
+    return 1 if args.check and any(row["private"] for row in rows) else 0
 
 
 if __name__ == "__main__":
