@@ -132,10 +132,13 @@ def test_the_comparisons_catch_a_broken_kernel(monkeypatch, stem, edits, broken)
 
 def test_every_block_fits_a_threadgroup():
     """Each shape of the table within an Apple GPU's 32 KiB of threadgroup memory and 1,024
-    threads, its steps dividing the head dim, with a reason."""
+    threads, leaving a GPU core at least 8 resident simdgroups by the estimate (about 60 KB of
+    threadgroup memory a core), its steps dividing the head dim, with a reason."""
     for (kind, dim, width), g in blocks.METAL.items():
         dtype = mx.float32 if width == "float" else mx.float16
         assert blocks.metal_threadgroup_bytes(kind, dim, dtype) <= blocks.THREADGROUP_MEMORY
+        resident = blocks.metal_simdgroups_per_core(kind, dim, dtype)
+        assert resident >= blocks.MIN_SIMDGROUPS, (kind, dim, width, resident)
         assert g.threads <= 1024 and g.why, (kind, dim, width)
         for name, value in g.template:
             if name != "SK":

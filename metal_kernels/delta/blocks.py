@@ -10,6 +10,13 @@ threadgroup has 32 KiB of threadgroup memory on Apple GPUs; staged rows are padd
 staged in the inputs' dtype where a kernel stages them as such ("half": float16 and bfloat16
 share a shape), the float32 intermediates (w, u, h, v_new and their gradients) as float32;
 lower-triangular chunk matrices (A, T, P, dP) as their 36 packed 8x8 tiles (9 KiB).
+Occupancy: a GPU core holds about 60 KB of threadgroup memory (CORE_MEMORY) and its ALUs
+saturate near 24 simdgroups; every shape leaves at least MIN_SIMDGROUPS = 8 simdgroups a core
+by that estimate (`metal_simdgroups_per_core`), the chunk-parallel kernels 16 or more (two
+threadgroups a core: at most 30 KiB each), the scans 12 or 16. Each per-lane tile array is
+indexed by constants only (the bodies unroll their fragment loops, and the staged loops that
+pick a step's tiles of such an array), so it stays in registers; its size a lane is in the
+reasons below.
   prepare      KS: columns of K (then V) staged per step; the whole of K where it fits, so the
                Gram matrix and the first value head's w read it once.
   states       BV: value columns a threadgroup (a state block DK x BV in registers, DK / 4
@@ -18,8 +25,9 @@ lower-triangular chunk matrices (A, T, P, dP) as their 36 packed 8x8 tiles (9 Ki
                the state h_c and columns of v_new staged per step.
   states_back  BV, SL as states's (Q and K, then W, staged as float32 beside P's packed tiles).
   grads        KB: key columns a threadgroup (its dq, dk, dw accumulators: 3 KB / 32 floats a
-               lane); SK: columns of Q and K staged per step; SV: rows of h and dh (and columns of
-               v_new for dP) staged per step.
+               lane); SK: columns of Q and K staged per step; SV: rows of h and dh and columns of
+               v_new (for dP and v_new's own rows) staged per step, one walk over DV for dP and
+               the state terms (each dO tile read once).
   prepare_back SL: columns of K and dW (V and dU) staged per step, as float32, beside T and
                dT T^T (then dA) as packed tiles.
 
@@ -33,6 +41,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 THREADGROUP_MEMORY = 32768  # bytes a threadgroup may use on Apple GPUs
+CORE_MEMORY = 61440  # bytes of threadgroup memory a GPU core holds, about (metal-benchmarks)
+MIN_SIMDGROUPS = 8  # resident simdgroups a core each kernel leaves at least, by that estimate
 # Positions a chunk, inside the kernels: FLA's 64. Its 8 row tiles give the chunk-parallel
 # kernels one per simdgroup; the inverse's 16-row blocks merge twice to it; a C x C matrix's 36
 # lower tiles take 9 KiB of threadgroup memory, so A/T, P and dP fit beside the staged operands
@@ -62,92 +72,109 @@ def _m(simdgroups: int, why: str, **template: int) -> MetalBlocks:
 _ROWS = "8 simdgroups, one per row tile of the chunk"
 _SCAN = "BV 32: 4 simdgroups of 8 columns, B x HV x DV / 32 threadgroups (128 at 32 heads of 128)"
 
-# (kernel, head dim, "half" | "float") -> shape. Bytes in each reason are threadgroup memory.
+# (kernel, head dim, "half" | "float") -> shape. Bytes in each reason are threadgroup memory;
+# "n a core": the estimate's resident threadgroups (x simdgroups) a GPU core.
 METAL: dict[tuple[str, int, str], MetalBlocks] = {
     ("prepare", 64, "half"): _m(
         8,
         f"{_ROWS}; all of K, 64 rows of 144 B, + A/T 9 KiB + gates "
-        "= 18.8 KiB: one staging of K serves the Gram and the first value head's w",
+        "= 18.8 KiB (3 a core, 24 simdgroups): one staging of K serves the Gram and the first "
+        "value head's w; Gram and T rows 32 floats a lane",
         KS=64,
     ),
     ("prepare", 128, "half"): _m(
         8,
         f"{_ROWS}; all of K, 64 rows of 272 B, + A/T 9 KiB + "
-        "gates = 26.8 KiB: one staging serves the Gram and the first value head's w",
+        "gates = 26.8 KiB (2 a core, 16 simdgroups): one staging serves the Gram and the first "
+        "value head's w",
         KS=128,
     ),
     ("prepare", 64, "float"): _m(
-        8, f"{_ROWS}; all of K, 64 rows of 272 B, + A/T 9 KiB + gates = 26.8 KiB", KS=64
+        8, f"{_ROWS}; all of K, 64 rows of 272 B, + A/T 9 KiB + gates = 26.8 KiB (2 a core)", KS=64
     ),
     ("prepare", 128, "float"): _m(
-        8, f"{_ROWS}; half of K a step (64 rows of 272 B): all of it would take 33 KiB alone", KS=64
+        8,
+        f"{_ROWS}; half of K a step (64 rows of 272 B), 26.8 KiB (2 a core): all of it would "
+        "take 33 KiB alone",
+        KS=64,
     ),
     ("states", 64, "half"): _m(
         4,
-        f"{_SCAN}; w 64 x 64 floats + K 64 x 64 halves a step, 26.3 KiB: two steps a chunk",
+        f"{_SCAN}; w 64 x 32 floats + K 64 x 32 halves a step, 14.3 KiB (4 a core, 16 "
+        "simdgroups: a scan is latency-bound, so as many walks resident as fit)",
         BV=32,
-        SL=64,
+        SL=32,
     ),
     ("states", 128, "half"): _m(
         4,
-        f"{_SCAN}; w 64 x 64 floats + K 64 x 64 halves a step, 26.3 KiB; S^T 32 floats a lane",
+        f"{_SCAN}; w 64 x 32 floats + K 64 x 32 halves a step, 14.3 KiB (4 a core); S^T 32 "
+        "+ v_new 16 floats a lane",
         BV=32,
-        SL=64,
+        SL=32,
     ),
     ("states", 64, "float"): _m(
         4,
-        f"{_SCAN}; w and K 64 x 32 floats a step, 18.3 KiB (64 columns of both would take 34 KiB)",
+        f"{_SCAN}; w and K 64 x 32 floats a step, 18.3 KiB (3 a core, 12 simdgroups; 64 "
+        "columns of both would take 34 KiB)",
         BV=32,
         SL=32,
     ),
     ("states", 128, "float"): _m(
-        4, f"{_SCAN}; w and K 64 x 32 floats a step, 18.3 KiB; S^T 32 floats a lane", BV=32, SL=32
+        4,
+        f"{_SCAN}; w and K 64 x 32 floats a step, 18.3 KiB (3 a core); S^T 32 floats a lane",
+        BV=32,
+        SL=32,
     ),
     ("output", 64, "half"): _m(
         8,
         f"{_ROWS}; K 9 KiB + h 32 rows 8.5 KiB + v_new 32 columns "
-        "9 KiB = 26.8 KiB; Q 16 floats a lane",
+        "9 KiB = 26.8 KiB (2 a core, 16 simdgroups); Q 16 + S, P 32 floats a lane",
         KS=64,
         SV=32,
     ),
     ("output", 128, "half"): _m(
         8,
-        f"{_ROWS}; K 17 KiB + h 16 rows 8.3 KiB + v_new 16 columns "
-        "5 KiB = 30.5 KiB; Q 32 floats a lane",
-        KS=128,
+        f"{_ROWS}; half of K a step 9 KiB + h 16 rows 8.3 KiB + v_new 16 columns 5 KiB = "
+        "22.5 KiB (2 a core; all of K, 30.5 KiB, left one); Q 32 + S, P 32 floats a lane",
+        KS=64,
         SV=16,
     ),
     ("output", 64, "float"): _m(
         8,
-        f"{_ROWS}; K 17 KiB + h 16 rows 4.3 KiB + v_new 16 columns 5 KiB = 26.5 KiB",
+        f"{_ROWS}; K 17 KiB + h 16 rows 4.3 KiB + v_new 16 columns 5 KiB = 26.5 KiB (2 a core)",
         KS=64,
         SV=16,
     ),
     ("output", 128, "float"): _m(
         8,
-        f"{_ROWS}; half of K 17 KiB + h 16 rows 8.3 KiB + v_new 16 columns 5 KiB = 30.5 KiB",
-        KS=64,
+        f"{_ROWS}; a quarter of K a step 9 KiB + h 16 rows 8.3 KiB + v_new 16 columns 5 KiB "
+        "= 22.5 KiB (2 a core)",
+        KS=32,
         SV=16,
     ),
     ("states_back", 64, "half"): _m(
         4,
-        f"{_SCAN}; Q, K (then w) 64 x 32 floats a step + P 9 KiB "
-        "= 27.3 KiB; dS^T 16, dO 16, dv 16 floats a lane",
+        f"{_SCAN}; Q, K (then w) 64 x 16 floats a step + P 9 KiB = 19.3 KiB (3 a core, 12 "
+        "simdgroups; 32 columns a step: 27.3 KiB, 2); dS^T 16, dO 16, dv 16, P's 18 floats a "
+        "lane",
         BV=32,
-        SL=32,
+        SL=16,
     ),
     ("states_back", 128, "half"): _m(
-        4, f"{_SCAN}; as at 64: 27.3 KiB; dS^T 32 floats a lane", BV=32, SL=32
+        4, f"{_SCAN}; as at 64: 19.3 KiB (3 a core); dS^T 32 floats a lane", BV=32, SL=16
     ),
     ("states_back", 64, "float"): _m(
-        4, f"{_SCAN}; staged as float32 whatever the dtype: 27.3 KiB", BV=32, SL=32
+        4,
+        f"{_SCAN}; staged as float32 whatever the dtype: 19.3 KiB (3 a core)",
+        BV=32,
+        SL=16,
     ),
-    ("states_back", 128, "float"): _m(4, f"{_SCAN}; 27.3 KiB", BV=32, SL=32),
+    ("states_back", 128, "float"): _m(4, f"{_SCAN}; 19.3 KiB (3 a core)", BV=32, SL=16),
     ("grads", 64, "half"): _m(
         8,
-        f"{_ROWS}; all 64 key columns (dq, dk, dw 48 floats a lane); Q, "
+        f"{_ROWS}; all 64 key columns (dq, dk, dw 48 + dP 16 floats a lane); Q, "
         "K 32 columns 10 KiB + h, dh 8 rows 4.3 KiB + v_new 8 columns 3 KiB "
-        "+ dP 9 KiB = 26.8 KiB",
+        "+ dP 9 KiB = 26.8 KiB (2 a core, 16 simdgroups)",
         KB=64,
         SK=32,
         SV=8,
@@ -155,17 +182,21 @@ METAL: dict[tuple[str, int, str], MetalBlocks] = {
     ("grads", 128, "half"): _m(
         8,
         f"{_ROWS}; 64 key columns a threadgroup (all 128: 96 floats "
-        "a lane), dP recomputed by both; memory as at 64",
+        "a lane), dP recomputed by both; memory as at 64 (2 a core)",
         KB=64,
         SK=32,
         SV=8,
     ),
     ("grads", 64, "float"): _m(
-        8, f"{_ROWS}; Q, K 16 columns 10 KiB, the rest as for half: 26.8 KiB", KB=64, SK=16, SV=8
+        8,
+        f"{_ROWS}; Q, K 16 columns 10 KiB, the rest as for half: 26.8 KiB (2 a core)",
+        KB=64,
+        SK=16,
+        SV=8,
     ),
     ("grads", 128, "float"): _m(
         8,
-        f"{_ROWS}; 64 key columns a threadgroup, Q, K 16 columns a step: 26.8 KiB",
+        f"{_ROWS}; 64 key columns a threadgroup, Q, K 16 columns a step: 26.8 KiB (2 a core)",
         KB=64,
         SK=16,
         SV=8,
@@ -173,15 +204,17 @@ METAL: dict[tuple[str, int, str], MetalBlocks] = {
     ("prepare_back", 64, "half"): _m(
         8,
         f"{_ROWS}; K/dW (V/dU) 64 x 16 floats a step 10 KiB + T "
-        "and dT T^T 18 KiB + gates 1 KiB = 29 KiB (32 columns: "
-        "37 KiB)",
+        "and dT T^T 18 KiB + gates 1.3 KiB = 29.3 KiB (2 a core, 16 simdgroups; 32 columns: "
+        "37 KiB); dT and M 16 floats a lane each",
         SL=16,
     ),
-    ("prepare_back", 128, "half"): _m(8, f"{_ROWS}; as at 64: 29 KiB; dk 32 floats a lane", SL=16),
-    ("prepare_back", 64, "float"): _m(
-        8, f"{_ROWS}; staged as float32 whatever the dtype: 29 KiB", SL=16
+    ("prepare_back", 128, "half"): _m(
+        8, f"{_ROWS}; as at 64: 29.3 KiB (2 a core); dk 32 floats a lane", SL=16
     ),
-    ("prepare_back", 128, "float"): _m(8, f"{_ROWS}; 29 KiB", SL=16),
+    ("prepare_back", 64, "float"): _m(
+        8, f"{_ROWS}; staged as float32 whatever the dtype: 29.3 KiB (2 a core)", SL=16
+    ),
+    ("prepare_back", 128, "float"): _m(8, f"{_ROWS}; 29.3 KiB (2 a core)", SL=16),
 }
 
 METAL_DIMS = tuple(sorted({dim for _, dim, _ in METAL}))
@@ -223,8 +256,15 @@ def metal_threadgroup_bytes(kernel: str, dim: int, dtype: mx.Dtype) -> int:
             + 2 * CHUNK * 4
             + 8 * 4
         )
-    # prepare_back: K or V, dW or dU, T, dT T^T then dA, cum, beta, dcum, dbeta
-    return 2 * CHUNK * (g["SL"] + 4) * 4 + 2 * tri + 4 * CHUNK * 4
+    # prepare_back: K or V, dW or dU, T, dT T^T then dA, cum, beta, beta gamma, dcum, dbeta
+    return 2 * CHUNK * (g["SL"] + 4) * 4 + 2 * tri + 5 * CHUNK * 4
+
+
+def metal_simdgroups_per_core(kernel: str, dim: int, dtype: mx.Dtype) -> int:
+    """Simdgroups a GPU core keeps resident by the threadgroup-memory estimate: the threadgroups
+    that fit in CORE_MEMORY, times the kernel's simdgroups each."""
+    per_group = metal_threadgroup_bytes(kernel, dim, dtype)
+    return CORE_MEMORY // per_group * metal(kernel, dim, dtype).simdgroups
 
 
 # CUDA: the tensor-core bodies (`.cu`: mma.sync.m16n8k16 on float16/bfloat16, float32 FMA in the

@@ -9,10 +9,14 @@
 // DK), v_new and dv_new (B, HV, NP, DV) float32. dq, dk (B, L, HK, DK): summed over the key
 // head's value heads; dw (B, HV, NP, DK); dcum (B, HV, DK / KB, NP): one partial per key block.
 // A threadgroup owns KB key columns of one chunk of one (b, key head) and walks its value heads;
-// simdgroup s owns the chunk's row tile s. Per value head: dP' (row tile s, tiles j <= s) from
-// v_new staged SV columns at a time, gathered in threadgroup memory for dP'^T; the state terms
-// with h's and dh's SV rows (KB columns) staged; the dP' terms with Q and K staged SK columns
-// at a time. dO, v_new and dv_new are read by the lanes that own their rows.
+// simdgroup s owns the chunk's row tile s. Per value head, one walk over DV, SV columns at a
+// time, with v_new's SV columns and h's and dh's SV rows (KB columns) staged: dP (row tile s,
+// tiles j <= s) and the state terms, each dO tile read once by the lanes that own it and used
+// for both (dv_new read the same way; v_new's own rows come from the staged columns). dP' is
+// then gathered in threadgroup memory for dP'^T, and the dP' terms walk KB with Q and K staged
+// SK columns at a time. Registers a lane: dq, dk, dw 6 KB / 8 floats, dP 16. Every fragment
+// loop unrolls in full, the staged loop over KB included (DELTA_UNROLL, tiles.metal), so the
+// accumulators' tiles are picked by constants and stay in registers.
 constexpr int SG = 8, THREADS = 32 * SG, KBT = KB / 8, NKB = DK / KB;
 constexpr int LDQ = SK + 16 / sizeof(T), LDH = KB + 4, LDV = SV + 4;
 threadgroup T tq[CHUNK * LDQ];       // SK columns of Q
@@ -44,53 +48,25 @@ for (int g = 0; g < R; ++g) {
   const size_t rows = size_t(bh) * NP + t0;
   const size_t hc = ((size_t(b) * N + c) * HV + hv) * DV * DK + k0;  // h_c's, dh_c's columns
   const size_t dorow = ((size_t(b) * L + t0 + i) * HV + hv) * DV + fc;  // this lane's dO row
-  // dP = dO v_new^T, row tile sg
-  simdgroup_float8x8 dp[8];
+  // One walk over DV: dP = dO v_new^T (row tile sg), and the state terms dq = dO h,
+  // dk = v_new dh, dw = dv_new h.
+  simdgroup_float8x8 dp[8], aq[KBT], ak[KBT], aw[KBT];
+  DELTA_UNROLL
   for (int j = 0; j < 8; ++j) {
     dp[j] = zero_tile();
   }
-  for (int e = tid; e < CHUNK; e += THREADS) {
-    tcum[e] = cum[rows + e];
-  }
-  for (int v0 = 0; v0 < DV; v0 += SV) {
-    stage(tv, LDV, v_new + rows * DV + v0, DV, CHUNK, CHUNK, SV, tid, THREADS);
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    for (int vt = 0; vt < SV / 8; ++vt) {
-      const int at = v0 + 8 * vt;
-      simdgroup_float8x8 a;
-      a.thread_elements() = real ? float2(float(d_out[dorow + at]), float(d_out[dorow + at + 1]))
-                                 : float2(0.0f);
-      for (int j = 0; j < 8; ++j) {
-        if (j <= sg) {
-          simdgroup_float8x8 vb;
-          load_tile_t(vb, tv, LDV, 8 * vt, 8 * j, fr, fc);  // v_new^T(vt, j)
-          simdgroup_multiply_accumulate(dp[j], a, vb, dp[j]);
-        }
-      }
-    }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-  }
-  const float ci = tcum[i], last = tcum[CHUNK - 1];
-  for (int j = 0; j < 8; ++j) {  // dP' = dP (.) D, gathered for dP'^T
-    if (j <= sg) {
-      thread float2& e = dp[j].thread_elements();
-      for (int x = 0; x < 2; ++x) {
-        const int col = 8 * j + fc + x;
-        e[x] = col <= i ? e[x] * metal::exp(ci - tcum[col]) : 0.0f;
-      }
-      store_packed(dp[j], tdp, sg, j, fr, fc);
-    }
-  }
-
-  // The state terms: dq = dO h, dk = v_new dh, dw = dv_new h over DV, SV rows at a time.
-  simdgroup_float8x8 aq[KBT], ak[KBT], aw[KBT];
+  DELTA_UNROLL
   for (int kt = 0; kt < KBT; ++kt) {
     aq[kt] = zero_tile();
     ak[kt] = zero_tile();
     aw[kt] = zero_tile();
   }
+  for (int e = tid; e < CHUNK; e += THREADS) {
+    tcum[e] = cum[rows + e];
+  }
   float fro = 0.0f;  // this thread's part of <dh, h> over the block's columns
   for (int v0 = 0; v0 < DV; v0 += SV) {
+    stage(tv, LDV, v_new + rows * DV + v0, DV, CHUNK, CHUNK, SV, tid, THREADS);
     stage(th, LDH, h + hc + size_t(v0) * DK, DK, SV, SV, KB, tid, THREADS);
     stage(tdh, LDH, dh + hc + size_t(v0) * DK, DK, SV, SV, KB, tid, THREADS);
     threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -98,14 +74,24 @@ for (int g = 0; g < R; ++g) {
       const int at = (e / KB) * LDH + e % KB;
       fro += th[at] * tdh[at];
     }
+    DELTA_UNROLL
     for (int vt = 0; vt < SV / 8; ++vt) {
       const int col = v0 + 8 * vt;
       const size_t at = (rows + i) * DV + col + fc;
       simdgroup_float8x8 ao, an, ad;
       ao.thread_elements() = real ? float2(float(d_out[dorow + col]), float(d_out[dorow + col + 1]))
                                   : float2(0.0f);
-      an.thread_elements() = float2(v_new[at], v_new[at + 1]);
+      load_tile(an, tv, LDV, 8 * sg, 8 * vt, fr, fc);  // v_new(sg, vt)
       ad.thread_elements() = float2(dv_new[at], dv_new[at + 1]);
+      DELTA_UNROLL
+      for (int j = 0; j < 8; ++j) {
+        if (j <= sg) {
+          simdgroup_float8x8 vb;
+          load_tile_t(vb, tv, LDV, 8 * vt, 8 * j, fr, fc);  // v_new^T(vt, j)
+          simdgroup_multiply_accumulate(dp[j], ao, vb, dp[j]);
+        }
+      }
+      DELTA_UNROLL
       for (int kt = 0; kt < KBT; ++kt) {
         simdgroup_float8x8 hb, db;
         load_tile(hb, th, LDH, 8 * vt, 8 * kt, fr, fc);
@@ -117,7 +103,21 @@ for (int g = 0; g < R; ++g) {
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
+  const float ci = tcum[i], last = tcum[CHUNK - 1];
+  DELTA_UNROLL
+  for (int j = 0; j < 8; ++j) {  // dP' = dP (.) D, gathered for dP'^T
+    if (j <= sg) {
+      thread float2& e = dp[j].thread_elements();
+      DELTA_UNROLL
+      for (int x = 0; x < 2; ++x) {
+        const int col = 8 * j + fc + x;
+        e[x] = col <= i ? e[x] * metal::exp(ci - tcum[col]) : 0.0f;
+      }
+      store_packed(dp[j], tdp, sg, j, fr, fc);
+    }
+  }
   const float gi = metal::exp(ci), di = metal::exp(last - ci);
+  DELTA_UNROLL
   for (int kt = 0; kt < KBT; ++kt) {
     scale_tile(aq[kt], gi);
     scale_tile(ak[kt], di);
@@ -129,16 +129,19 @@ for (int g = 0; g < R; ++g) {
 
   // The dP' terms: dq += dP' K, dk += dP'^T Q, SK columns at a time; then the row dots.
   float lastk = 0.0f, rowd = 0.0f;
-  for (int s0 = 0; s0 < KB; s0 += SK) {
+  DELTA_UNROLL
+  for (int s0 = 0; s0 < KB; s0 += SK) {  // unrolled: the accumulators' tiles by constants
     stage(tq, LDQ, q + qk + k0 + s0, size_t(HK) * DK, CHUNK, valid, SK, tid, THREADS);
     stage(tk, LDQ, k + qk + k0 + s0, size_t(HK) * DK, CHUNK, valid, SK, tid, THREADS);
     threadgroup_barrier(mem_flags::mem_threadgroup);
+    DELTA_UNROLL
     for (int t = 0; t < SK / 8; ++t) {
       const int kt = s0 / 8 + t;
       simdgroup_float8x8 qo, ko;
       load_tile(qo, tq, LDQ, 8 * sg, 8 * t, fr, fc);
       load_tile(ko, tk, LDQ, 8 * sg, 8 * t, fr, fc);
       lastk += lane_dot(ko, ak[kt]);  // k.(the state update's part of dk)
+      DELTA_UNROLL
       for (int j = 0; j < 8; ++j) {
         if (j <= sg) {
           simdgroup_float8x8 kb2;
@@ -146,6 +149,7 @@ for (int g = 0; g < R; ++g) {
           simdgroup_multiply_accumulate(aq[kt], dp[j], kb2, aq[kt]);
         }
       }
+      DELTA_UNROLL
       for (int r = 0; r < 8; ++r) {
         if (r >= sg) {
           simdgroup_float8x8 pt, qb;
@@ -177,6 +181,7 @@ for (int g = 0; g < R; ++g) {
   threadgroup_barrier(mem_flags::mem_threadgroup);
   if (tid == 0) {
     float s = 0.0f;
+    DELTA_UNROLL
     for (int n = 0; n < SG; ++n) {
       s += tred[n];
     }

@@ -6,7 +6,9 @@
 // the chunk's row tile s. Q's rows are read once into registers (DK / 8 tiles a simdgroup); the
 // scores S = Q K^T (row tile s: tiles j <= s) are computed once for all value heads, K staged KS
 // columns at a time. Per value head, the output goes out SV columns at a time: the state's SV
-// rows (SV x DK) and v_new's SV columns staged, each read from device memory once.
+// rows (SV x DK) and v_new's SV columns staged, each read from device memory once. Registers a
+// lane: Q DK / 4 floats, S and P 16 each. The staged loop over K unrolls in full with the
+// fragment loops (DELTA_UNROLL, tiles.metal), so Q's tile of each step is picked by a constant.
 constexpr int SG = 8, THREADS = 32 * SG, KT = DK / 8, LDK = KS + 16 / sizeof(T);
 constexpr int LDH = DK + 4, LDV = SV + 4;
 threadgroup T tk[CHUNK * LDK];    // KS columns of K
@@ -27,19 +29,24 @@ const bool real = i < valid;
 
 simdgroup_float8x8 qa[KT];  // Q(sg, kt)
 const size_t qrow = ((size_t(b) * L + t0 + i) * HK + hk) * DK + fc;
+DELTA_UNROLL
 for (int kt = 0; kt < KT; ++kt) {
   qa[kt].thread_elements() =
       real ? float2(float(q[qrow + 8 * kt]), float(q[qrow + 8 * kt + 1])) : float2(0.0f);
 }
 simdgroup_float8x8 s[8];  // S(sg, j), j <= sg
+DELTA_UNROLL
 for (int j = 0; j < 8; ++j) {
   s[j] = zero_tile();
 }
 const device T* kc = k + (size_t(b) * L + t0) * HK * DK + size_t(hk) * DK;
-for (int k0 = 0; k0 < DK; k0 += KS) {
+DELTA_UNROLL
+for (int k0 = 0; k0 < DK; k0 += KS) {  // unrolled: Q's tiles by constants
   stage(tk, LDK, kc + k0, size_t(HK) * DK, CHUNK, valid, KS, tid, THREADS);
   threadgroup_barrier(mem_flags::mem_threadgroup);
+  DELTA_UNROLL
   for (int t = 0; t < KS / 8; ++t) {
+    DELTA_UNROLL
     for (int j = 0; j < 8; ++j) {
       if (j <= sg) {
         simdgroup_float8x8 kt;
@@ -61,10 +68,12 @@ for (int g = 0; g < R; ++g) {
   threadgroup_barrier(mem_flags::mem_threadgroup);
   const float ci = tcum[i], gi = metal::exp(ci);
   simdgroup_float8x8 p[8];  // P(sg, j) = S (.) D
+  DELTA_UNROLL
   for (int j = 0; j < 8; ++j) {
     if (j <= sg) {
       p[j] = s[j];
       thread float2& e = p[j].thread_elements();
+      DELTA_UNROLL
       for (int x = 0; x < 2; ++x) {
         const int col = 8 * j + fc + x;
         e[x] = col <= i ? e[x] * metal::exp(ci - tcum[col]) : 0.0f;
@@ -75,14 +84,17 @@ for (int g = 0; g < R; ++g) {
     stage(th, LDH, hc + size_t(v0) * DK, DK, SV, SV, DK, tid, THREADS);
     stage(tv, LDV, v_new + rows * DV + v0, DV, CHUNK, CHUNK, SV, tid, THREADS);
     threadgroup_barrier(mem_flags::mem_threadgroup);
+    DELTA_UNROLL
     for (int vt = 0; vt < SV / 8; ++vt) {
       simdgroup_float8x8 acc = zero_tile();
+      DELTA_UNROLL
       for (int kt = 0; kt < KT; ++kt) {  // Q h^T: h^T(kt, vt) is the transpose of h's tile
         simdgroup_float8x8 ht;
         load_tile_t(ht, th, LDH, 8 * kt, 8 * vt, fr, fc);
         simdgroup_multiply_accumulate(acc, qa[kt], ht, acc);
       }
       scale_tile(acc, gi);
+      DELTA_UNROLL
       for (int j = 0; j < 8; ++j) {
         if (j <= sg) {
           simdgroup_float8x8 vb;

@@ -13,7 +13,9 @@
 // diagonal blocks by forward substitution (one thread per column), then blocks merged pairwise,
 // [[T11, 0], [A21, T22]] -> [[T11, 0], [-T22 A21 T11, T22]], to 32 and 64 (one simdgroup per
 // tile column of the merged block, 8x8 products). Simdgroup s then holds T's row tile s and
-// computes rows s of w and u from K and V staged KS columns at a time.
+// computes rows s of w and u from K and V staged KS columns at a time. Every fragment loop (and
+// the substitution's 16 x 16) unrolls in full (DELTA_UNROLL, tiles.metal): the Gram's, T's and
+// the merges' tiles and the substitution's column are indexed by constants, in registers.
 constexpr int SG = 8, THREADS = 32 * SG, LD = KS + 16 / sizeof(T);
 threadgroup T tx[CHUNK * LD];              // KS columns of K or V
 threadgroup float ta[TRI_TILES * 64];      // A, then T
@@ -34,15 +36,18 @@ const device T* kc = k + (size_t(b) * L + t0) * HK * DK + size_t(hk) * DK;  // r
 
 // The Gram matrix G = K K^T, row tile sg: gram[j] = G(sg, j) for j <= sg.
 simdgroup_float8x8 gram[8];
+DELTA_UNROLL
 for (int j = 0; j < 8; ++j) {
   gram[j] = zero_tile();
 }
 for (int k0 = 0; k0 < DK; k0 += KS) {
   stage(tx, LD, kc + k0, size_t(HK) * DK, CHUNK, valid, KS, tid, THREADS);
   threadgroup_barrier(mem_flags::mem_threadgroup);
+  DELTA_UNROLL
   for (int t = 0; t < KS / 8; ++t) {
     simdgroup_float8x8 a;
     load_tile(a, tx, LD, 8 * sg, 8 * t, fr, fc);
+    DELTA_UNROLL
     for (int j = 0; j < 8; ++j) {
       if (j <= sg) {
         simdgroup_float8x8 kt;
@@ -79,10 +84,12 @@ for (int g = 0; g < R; ++g) {
 
   // A = beta_i exp(cum_i - cum_j) G_ij below the diagonal, zero on and above it.
   const float ci = tcum[i], bi = tb[i];
+  DELTA_UNROLL
   for (int j = 0; j < 8; ++j) {
     if (j <= sg) {
       simdgroup_float8x8 a = gram[j];
       thread float2& e = a.thread_elements();
+      DELTA_UNROLL
       for (int x = 0; x < 2; ++x) {
         const int col = 8 * j + fc + x;
         e[x] = col < i ? bi * metal::exp(ci - tcum[col]) * e[x] : 0.0f;
@@ -97,8 +104,10 @@ for (int g = 0; g < R; ++g) {
   float x[16];
   const int blk = tid / 16, col = tid % 16, base = 16 * blk;
   if (tid < 64) {
+    DELTA_UNROLL
     for (int r = 0; r < 16; ++r) {
       float s = r == col ? 1.0f : 0.0f;
+      DELTA_UNROLL
       for (int q = 0; q < 16; ++q) {
         if (q < r) {
           const int ra = base + r, ca = base + q;
@@ -110,6 +119,7 @@ for (int g = 0; g < R; ++g) {
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);  // A's diagonal blocks read, then replaced
   if (tid < 64) {
+    DELTA_UNROLL
     for (int r = 0; r < 16; ++r) {
       if (r >= col) {
         const int ra = base + r, ca = base + col;
@@ -121,14 +131,18 @@ for (int g = 0; g < R; ++g) {
 
   // Merge blocks of m tiles pairwise: T21 = -T22 (A21 T11). Simdgroup sg < 8 / 2 = 4 owns the
   // tile column cc of pair p: Z = A21(:, cc) by T11's column, then -T22 Z.
-  for (int m = 2; m <= 4; m *= 2) {
+  DELTA_UNROLL
+  for (int level = 1; level <= 2; ++level) {
+    const int m = 2 * level;  // 2, then 4
     const int p = sg / m, cc = p * 2 * m + sg % m, r0 = p * 2 * m + m;
     const bool busy = sg < 4;  // (8 / (2m) pairs) x (m columns)
     simdgroup_float8x8 z[4], out[4];
     if (busy) {
+      DELTA_UNROLL
       for (int r = 0; r < 4; ++r) {
         if (r < m) {
           z[r] = zero_tile();
+          DELTA_UNROLL
           for (int q = 0; q < 4; ++q) {
             const int kt = p * 2 * m + q;  // T11's tile rows, lower: kt >= cc
             if (q < m && kt >= cc) {
@@ -140,9 +154,11 @@ for (int g = 0; g < R; ++g) {
           }
         }
       }
+      DELTA_UNROLL
       for (int r = 0; r < 4; ++r) {
         if (r < m) {
           out[r] = zero_tile();
+          DELTA_UNROLL
           for (int q = 0; q < 4; ++q) {
             if (q <= r) {
               simdgroup_float8x8 t22;
@@ -156,6 +172,7 @@ for (int g = 0; g < R; ++g) {
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);  // A21 read by every column, then replaced
     if (busy) {
+      DELTA_UNROLL
       for (int r = 0; r < 4; ++r) {
         if (r < m) {
           store_packed(out[r], ta, r0 + r, cc, fr, fc);
@@ -173,6 +190,7 @@ for (int g = 0; g < R; ++g) {
     }
   }
   simdgroup_float8x8 trow[8];  // T(sg, j), j <= sg
+  DELTA_UNROLL
   for (int j = 0; j < 8; ++j) {
     if (j <= sg) {
       load_packed(trow[j], ta, sg, j, fr, fc);
@@ -196,8 +214,10 @@ for (int g = 0; g < R; ++g) {
         }
       }
       threadgroup_barrier(mem_flags::mem_threadgroup);
+      DELTA_UNROLL
       for (int t = 0; t < KS / 8; ++t) {
         simdgroup_float8x8 acc = zero_tile();
+        DELTA_UNROLL
         for (int j = 0; j < 8; ++j) {
           if (j <= sg) {
             simdgroup_float8x8 xt;

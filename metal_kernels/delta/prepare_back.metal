@@ -17,12 +17,14 @@
 // as packed lower tiles; K and dw, then V and du, then K again are staged SL columns at a time
 // (as float32); dT's row tile s accumulates in registers across the first two passes.
 constexpr int SG = 8, THREADS = 32 * SG, KT = DK / 8, LD = SL + 4;
+static_assert(DK == DV, "prepare_back walks K and V with one loop");
 threadgroup float tx[CHUNK * LD];  // SL columns of K or V
 threadgroup float ty[CHUNK * LD];  // SL columns of dw or du
 threadgroup float tt[TRI_TILES * 64];  // T
 threadgroup float tm[TRI_TILES * 64];  // dT T^T, then M
 threadgroup float tcum[CHUNK];
 threadgroup float tb[CHUNK];
+threadgroup float tbg[CHUNK];  // beta gamma
 threadgroup float tdc[CHUNK];
 threadgroup float tdb[CHUNK];
 const int L = params[1], HK = params[2], HV = params[3], N = params[4], NKB = params[5];
@@ -39,6 +41,7 @@ const bool real = i < valid;
 const size_t kc = (size_t(b) * L + t0) * HK * DK + size_t(hk) * DK;  // row r: + r HK DK
 
 simdgroup_float8x8 gk[KT];  // dk(sg, kt), over every value head
+DELTA_UNROLL
 for (int kt = 0; kt < KT; ++kt) {
   gk[kt] = zero_tile();
 }
@@ -50,6 +53,7 @@ for (int g = 0; g < R; ++g) {
     const size_t at = (size_t(b) * L + t0 + e) * HV + hv;
     tcum[e] = cum[rows + e];
     tb[e] = e < valid ? beta[at] : 0.0f;
+    tbg[e] = tb[e] * metal::exp(tcum[e]);
     float s = 0.0f;
     for (int n = 0; n < NKB; ++n) {
       s += dcum[(size_t(bh) * NKB + n) * NP + t0 + e];
@@ -65,66 +69,72 @@ for (int g = 0; g < R; ++g) {
   const float ci = tcum[i], bi = tb[i], gi = metal::exp(ci);
 
   // K and dw: dT += dw X^T, dX = T^T dw, dk += diag(beta gamma) dX; then V and du:
-  // dT += du Y^T, dY = T^T du, dv = diag(beta) dY.
+  // dT += du Y^T, dY = T^T du, dv = diag(beta) dY. The walk over the columns unrolls (dk's
+  // tiles by constants); the two passes share its code.
   simdgroup_float8x8 dt[8];  // dT(sg, j), j <= sg
+  DELTA_UNROLL
   for (int j = 0; j < 8; ++j) {
     dt[j] = zero_tile();
   }
   float rdx = 0.0f, rdy = 0.0f;  // this lane's parts of rowdot(dX, K), rowdot(dY, V)
-  for (int s0 = 0; s0 < DK + DV; s0 += SL) {  // DK columns of K and dw, then DV of V and du
-    const bool keys = s0 < DK;
-    const int k0 = keys ? s0 : s0 - DK;
-    if (keys) {
-      stage(tx, LD, k + kc + k0, size_t(HK) * DK, CHUNK, valid, SL, tid, THREADS);
-      stage(ty, LD, dw + rows * DK + k0, DK, CHUNK, CHUNK, SL, tid, THREADS);
-    } else {
-      const size_t vc = (size_t(b) * L + t0) * HV * DV + size_t(hv) * DV;
-      stage(tx, LD, v + vc + k0, size_t(HV) * DV, CHUNK, valid, SL, tid, THREADS);
-      stage(ty, LD, dv_new + rows * DV + k0, DV, CHUNK, CHUNK, SL, tid, THREADS);
-    }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    for (int t = 0; t < SL / 8; ++t) {
-      simdgroup_float8x8 a;
-      load_tile(a, ty, LD, 8 * sg, 8 * t, fr, fc);  // dw(sg, t) or du(sg, t)
-      for (int j = 0; j < 8; ++j) {  // dT(sg, j) += dw(sg, t) X^T(t, j), or du Y^T
-        if (j <= sg) {
-          simdgroup_float8x8 xt;
-          load_tile_t(xt, tx, LD, 8 * t, 8 * j, fr, fc);
-          thread float2& e = xt.thread_elements();
-          for (int x = 0; x < 2; ++x) {
-            const int col = 8 * j + fc + x;
-            e[x] *= keys ? tb[col] * metal::exp(tcum[col]) : tb[col];
-          }
-          simdgroup_multiply_accumulate(dt[j], a, xt, dt[j]);
-        }
-      }
-      simdgroup_float8x8 dx = zero_tile(), own;  // dX(sg, t) = sum_{r >= sg} T(r, sg)^T dw(r, t)
-      for (int r = 0; r < 8; ++r) {
-        if (r >= sg) {
-          simdgroup_float8x8 tr, wb;
-          load_packed_t(tr, tt, r, sg, fr, fc);
-          load_tile(wb, ty, LD, 8 * r, 8 * t, fr, fc);
-          simdgroup_multiply_accumulate(dx, tr, wb, dx);
-        }
-      }
-      load_tile(own, tx, LD, 8 * sg, 8 * t, fr, fc);
+  const size_t vc = (size_t(b) * L + t0) * HV * DV + size_t(hv) * DV;
+  for (int pass = 0; pass < 2; ++pass) {  // K and dw, then V and du
+    const bool keys = pass == 0;
+    const threadgroup float* scale = keys ? tbg : tb;  // X = diag(beta gamma) K, Y = diag(beta) V
+    DELTA_UNROLL
+    for (int k0 = 0; k0 < DK; k0 += SL) {  // DK == DV
       if (keys) {
-        rdx += lane_dot(dx, own);
-        gk[s0 / 8 + t].thread_elements() += (bi * gi) * dx.thread_elements();
-      } else {  // dY(sg, t): dv = diag(beta) dY
-        rdy += lane_dot(dx, own);
-        if (real) {
-          const float2 e = dx.thread_elements();
-          const size_t at = ((size_t(b) * L + t0 + i) * HV + hv) * DV + k0 + 8 * t + fc;
-          dv[at] = bi * e[0];
-          dv[at + 1] = bi * e[1];
+        stage(tx, LD, k + kc + k0, size_t(HK) * DK, CHUNK, valid, SL, tid, THREADS);
+        stage(ty, LD, dw + rows * DK + k0, DK, CHUNK, CHUNK, SL, tid, THREADS);
+      } else {
+        stage(tx, LD, v + vc + k0, size_t(HV) * DV, CHUNK, valid, SL, tid, THREADS);
+        stage(ty, LD, dv_new + rows * DV + k0, DV, CHUNK, CHUNK, SL, tid, THREADS);
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      DELTA_UNROLL
+      for (int t = 0; t < SL / 8; ++t) {
+        simdgroup_float8x8 a;
+        load_tile(a, ty, LD, 8 * sg, 8 * t, fr, fc);  // dw(sg, t) or du(sg, t)
+        DELTA_UNROLL
+        for (int j = 0; j < 8; ++j) {  // dT(sg, j) += dw(sg, t) X^T(t, j), or du Y^T
+          if (j <= sg) {
+            simdgroup_float8x8 xt;
+            load_tile_t(xt, tx, LD, 8 * t, 8 * j, fr, fc);
+            thread float2& e = xt.thread_elements();
+            e *= float2(scale[8 * j + fc], scale[8 * j + fc + 1]);
+            simdgroup_multiply_accumulate(dt[j], a, xt, dt[j]);
+          }
+        }
+        simdgroup_float8x8 dx = zero_tile(), own;  // dX(sg, t) = sum_{r >= sg} T(r, sg)^T dw(r, t)
+        DELTA_UNROLL
+        for (int r = 0; r < 8; ++r) {
+          if (r >= sg) {
+            simdgroup_float8x8 tr, wb;
+            load_packed_t(tr, tt, r, sg, fr, fc);
+            load_tile(wb, ty, LD, 8 * r, 8 * t, fr, fc);
+            simdgroup_multiply_accumulate(dx, tr, wb, dx);
+          }
+        }
+        load_tile(own, tx, LD, 8 * sg, 8 * t, fr, fc);
+        if (keys) {
+          rdx += lane_dot(dx, own);
+          gk[k0 / 8 + t].thread_elements() += (bi * gi) * dx.thread_elements();
+        } else {  // dY(sg, t): dv = diag(beta) dY
+          rdy += lane_dot(dx, own);
+          if (real) {
+            const float2 e = dx.thread_elements();
+            const size_t at = ((size_t(b) * L + t0 + i) * HV + hv) * DV + k0 + 8 * t + fc;
+            dv[at] = bi * e[0];
+            dv[at + 1] = bi * e[1];
+          }
         }
       }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
     }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
   }
 
   // dT strictly lower; Y1 = dT T^T (lower tiles): Y1(sg, j) = sum_{q <= j} dT(sg, q) T(j, q)^T.
+  DELTA_UNROLL
   for (int j = 0; j < 8; ++j) {
     if (j == sg) {
       thread float2& e = dt[j].thread_elements();
@@ -132,9 +142,11 @@ for (int g = 0; g < R; ++g) {
       e[1] = fc + 1 < fr ? e[1] : 0.0f;
     }
   }
+  DELTA_UNROLL
   for (int j = 0; j < 8; ++j) {
     if (j <= sg) {
       simdgroup_float8x8 y1 = zero_tile();
+      DELTA_UNROLL
       for (int q = 0; q < 8; ++q) {
         if (q <= j) {
           simdgroup_float8x8 tr;
@@ -148,9 +160,11 @@ for (int g = 0; g < R; ++g) {
   threadgroup_barrier(mem_flags::mem_threadgroup);
   // dA(sg, j) = -sum_{r >= sg} T(r, sg)^T Y1(r, j); M = dA (.) E, strictly lower.
   simdgroup_float8x8 m[8];
+  DELTA_UNROLL
   for (int j = 0; j < 8; ++j) {
     if (j <= sg) {
       m[j] = zero_tile();
+      DELTA_UNROLL
       for (int r = 0; r < 8; ++r) {
         if (r >= sg) {
           simdgroup_float8x8 tr, y1;
@@ -160,6 +174,7 @@ for (int g = 0; g < R; ++g) {
         }
       }
       thread float2& e = m[j].thread_elements();
+      DELTA_UNROLL
       for (int x = 0; x < 2; ++x) {
         const int col = 8 * j + fc + x;
         e[x] = col < i ? -e[x] * metal::exp(ci - tcum[col]) : 0.0f;
@@ -167,6 +182,7 @@ for (int g = 0; g < R; ++g) {
     }
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);  // Y1 read, then M in its place
+  DELTA_UNROLL
   for (int j = 0; j < 8; ++j) {
     if (j <= sg) {
       store_packed(m[j], tm, sg, j, fr, fc);
@@ -175,11 +191,14 @@ for (int g = 0; g < R; ++g) {
 
   // K again: R1 = M K, R2 = M^T diag(beta) K; dk += diag(beta) R1 + R2.
   float r1d = 0.0f, r2d = 0.0f;
-  for (int k0 = 0; k0 < DK; k0 += SL) {
+  DELTA_UNROLL
+  for (int k0 = 0; k0 < DK; k0 += SL) {  // unrolled: dk's tiles by constants
     stage(tx, LD, k + kc + k0, size_t(HK) * DK, CHUNK, valid, SL, tid, THREADS);
     threadgroup_barrier(mem_flags::mem_threadgroup);
+    DELTA_UNROLL
     for (int t = 0; t < SL / 8; ++t) {
       simdgroup_float8x8 r1 = zero_tile(), r2 = zero_tile(), own;
+      DELTA_UNROLL
       for (int j = 0; j < 8; ++j) {
         if (j <= sg) {
           simdgroup_float8x8 kb;
@@ -187,6 +206,7 @@ for (int g = 0; g < R; ++g) {
           simdgroup_multiply_accumulate(r1, m[j], kb, r1);
         }
       }
+      DELTA_UNROLL
       for (int r = 0; r < 8; ++r) {
         if (r >= sg) {
           simdgroup_float8x8 mt, kb;
@@ -232,6 +252,7 @@ for (int g = 0; g < R; ++g) {
 }
 if (real) {
   const size_t at = kc + size_t(i) * HK * DK + fc;
+  DELTA_UNROLL
   for (int kt = 0; kt < KT; ++kt) {
     const float2 e = gk[kt].thread_elements();
     dk[at + 8 * kt] = dk_in[at + 8 * kt] + e[0];

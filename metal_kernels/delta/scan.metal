@@ -16,11 +16,13 @@ if (row >= H * DV) {
 }
 const int h = row / DV, d = row % DV;
 float s[DK / 32];
+DELTA_UNROLL
 for (int j = 0; j < DK / 32; ++j) {
   s[j] = s0[size_t(row) * DK + lane + 32 * j];
 }
 for (int i = 0; i < N; ++i) {
   const size_t hc = size_t(i) * H + h;  // chunk i of head h
+  DELTA_UNROLL
   for (int j = 0; j < DK / 32; ++j) {
     if (KEEP) {  // the states are kept for a backward pass only
       entries[(hc * DV + d) * DK + lane + 32 * j] = s[j];
@@ -40,6 +42,7 @@ for (int i = 0; i < N; ++i) {
     o[(hc * C + t) * DV + d] = y;
   }
   const float g = g_end[hc];
+  DELTA_UNROLL
   for (int j = 0; j < DK / 32; ++j) {
     float acc = g * s[j];
     for (int t = 0; t < C; ++t) {
@@ -49,6 +52,7 @@ for (int i = 0; i < N; ++i) {
   }
   simdgroup_barrier(mem_flags::mem_threadgroup);  // ts and tx are read before they are rewritten
 }
+DELTA_UNROLL
 for (int j = 0; j < DK / 32; ++j) {
   s_out[size_t(row) * DK + lane + 32 * j] = s[j];
 }

@@ -18,11 +18,13 @@ if (row >= H * DV) {
 }
 const int h = row / DV, d = row % DV;
 float ds[DK / 32];
+DELTA_UNROLL
 for (int j = 0; j < DK / 32; ++j) {
   ds[j] = ds_in[size_t(row) * DK + lane + 32 * j];
 }
 for (int i = N - 1; i >= 0; --i) {
   const size_t hc = size_t(i) * H + h;
+  DELTA_UNROLL
   for (int j = 0; j < DK / 32; ++j) {
     ds_exit[(hc * DV + d) * DK + lane + 32 * j] = ds[j];
     ts[sg][lane + 32 * j] = ds[j];
@@ -41,6 +43,7 @@ for (int i = N - 1; i >= 0; --i) {
   }
   simdgroup_barrier(mem_flags::mem_threadgroup);
   const float g = g_end[hc];
+  DELTA_UNROLL
   for (int j = 0; j < DK / 32; ++j) {
     const int k = lane + 32 * j;
     float acc = g * ds[j];
@@ -51,6 +54,7 @@ for (int i = N - 1; i >= 0; --i) {
   }
   simdgroup_barrier(mem_flags::mem_threadgroup);
 }
+DELTA_UNROLL
 for (int j = 0; j < DK / 32; ++j) {
   ds0[size_t(row) * DK + lane + 32 * j] = ds[j];
 }

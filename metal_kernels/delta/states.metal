@@ -6,8 +6,11 @@
 // prepare (NP = N * CHUNK); state (B, HV, DV, DK) float32. h (B, N, HV, DV, DK): the state
 // entering each chunk; v_new (B, HV, NP, DV); final_state (B, HV, DV, DK).
 // A threadgroup owns BV value columns of one (b, value head); each simdgroup owns 8 of them and
-// holds its columns of S^T (DK x 8) in registers as DK / 8 tiles. Columns never meet: w and K are
-// staged SL columns at a time (once per threadgroup) and every simdgroup reads them from there.
+// holds its columns of S^T (DK x 8) in registers as DK / 8 tiles, v_new's as 8 (DK / 4 + 16
+// floats a lane). Columns never meet: w and K are staged SL columns at a time (once per
+// threadgroup) and every simdgroup reads them from there. The staged loops over DK unroll in
+// full with the fragment loops inside them (DELTA_UNROLL, tiles.metal), so the step's tiles of
+// S^T are picked by constants and stay in registers.
 constexpr int SG = BV / 8, THREADS = 32 * SG, KT = DK / 8, LDW = SL + 4;
 constexpr int LDK = SL + 16 / sizeof(T);
 threadgroup float tw[CHUNK * LDW];  // SL columns of w
@@ -25,12 +28,14 @@ const int v0 = (threadgroup_position_in_grid.x % VB) * BV + 8 * sg;  // this sim
 // S^T(kt, own columns): element (r, c) is S[v0 + c][8 kt + r].
 simdgroup_float8x8 st[KT];
 const size_t own = (size_t(bh) * DV + v0 + fc) * DK + fr;  // + 8 kt, and + DK for c + 1
+DELTA_UNROLL
 for (int kt = 0; kt < KT; ++kt) {
   st[kt].thread_elements() = float2(state[own + 8 * kt], state[own + DK + 8 * kt]);
 }
 for (int c = 0; c < N; ++c) {
   const int t0 = c * CHUNK, valid = metal::min(CHUNK, L - t0);
   const size_t entering = ((size_t(b) * N + c) * HV + hv) * DV * DK + (v0 + fc) * DK + fr;
+  DELTA_UNROLL
   for (int kt = 0; kt < KT; ++kt) {
     const float2 e = st[kt].thread_elements();
     h[entering + 8 * kt] = e[0];
@@ -39,6 +44,7 @@ for (int c = 0; c < N; ++c) {
   // v_new = u - w S^T: u read in place (each element by one lane), w staged
   simdgroup_float8x8 vn[8];
   const size_t rows = size_t(bh) * NP + t0;
+  DELTA_UNROLL
   for (int i = 0; i < 8; ++i) {
     const size_t at = (rows + 8 * i + fr) * DV + v0 + fc;
     vn[i].thread_elements() = float2(u[at], u[at + 1]);
@@ -46,10 +52,13 @@ for (int c = 0; c < N; ++c) {
   for (int i = tid; i < CHUNK; i += THREADS) {
     tcum[i] = cum[rows + i];
   }
-  for (int k0 = 0; k0 < DK; k0 += SL) {
+  DELTA_UNROLL
+  for (int k0 = 0; k0 < DK; k0 += SL) {  // unrolled: st's tiles by constants
     stage(tw, LDW, w + rows * DK + k0, DK, CHUNK, CHUNK, SL, tid, THREADS);
     threadgroup_barrier(mem_flags::mem_threadgroup);
+    DELTA_UNROLL
     for (int t = 0; t < SL / 8; ++t) {
+      DELTA_UNROLL
       for (int i = 0; i < 8; ++i) {
         simdgroup_float8x8 a;
         load_tile(a, tw, LDW, 8 * i, 8 * t, fr, fc);
@@ -60,6 +69,7 @@ for (int c = 0; c < N; ++c) {
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
   const float last = tcum[CHUNK - 1];
+  DELTA_UNROLL
   for (int i = 0; i < 8; ++i) {
     const float2 e = vn[i].thread_elements();
     const size_t at = (rows + 8 * i + fr) * DV + v0 + fc;
@@ -69,14 +79,18 @@ for (int c = 0; c < N; ++c) {
   }
   // S^T <- gamma_C S^T + K^T diag(gamma_C / gamma) v_new, K staged
   const float gc = metal::exp(last);
+  DELTA_UNROLL
   for (int kt = 0; kt < KT; ++kt) {
     scale_tile(st[kt], gc);
   }
   const device T* kc = k + (size_t(b) * L + t0) * HK * DK + size_t(hk) * DK;
+  DELTA_UNROLL
   for (int k0 = 0; k0 < DK; k0 += SL) {
     stage(tk, LDK, kc + k0, size_t(HK) * DK, CHUNK, valid, SL, tid, THREADS);
     threadgroup_barrier(mem_flags::mem_threadgroup);
+    DELTA_UNROLL
     for (int t = 0; t < SL / 8; ++t) {
+      DELTA_UNROLL
       for (int i = 0; i < 8; ++i) {
         simdgroup_float8x8 a;
         load_tile_t(a, tk, LDK, 8 * t, 8 * i, fr, fc);  // K^T(kt, i)
@@ -86,6 +100,7 @@ for (int c = 0; c < N; ++c) {
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
 }
+DELTA_UNROLL
 for (int kt = 0; kt < KT; ++kt) {
   const float2 e = st[kt].thread_elements();
   final_state[own + 8 * kt] = e[0];

@@ -4,10 +4,25 @@
 // (Apple's layout, below) and converts them to float, so no load is a simdgroup collective.
 // A chunk's lower-triangular C x C matrices (A, T, P = QK^T (.) decay, dP) are held in
 // threadgroup memory as their 36 lower 8x8 tiles, packed: tile (i, j), j <= i, is the 64 floats
-// from tri_at(i, j), row-major.
+// from tri_at(i, j), row-major. The decays exp(cum_i - cum_j) keep Metal's precise exp: no mask
+// here is a -infinity (masked elements are selected away), and with C^2 of them a chunk against
+// C^2 D products the precise one costs little, where fast::exp's error grows with |x| (cum
+// reaches tens over a chunk).
 
 constant constexpr int CHUNK = 64;
 constant constexpr int TRI_TILES = 36;  // 8 x 9 / 2
+
+// Every loop over a lane's tiles unrolls in full, and so does every staged loop whose step picks
+// a tile of such an array (the trip counts are template values): after unrolling each index into
+// a per-lane tile array is a constant, and the array lives in registers. A runtime index would
+// put it in memory (Apple GPUs have no fast stack; their compiler would rather spill to device
+// memory). Clang's loop pragma, as MLX's steel kernels write it; nothing for other compilers (the
+// CPU harness's g++ runs the loops as written).
+#if defined(__clang__)
+#define DELTA_UNROLL _Pragma("clang loop unroll(full)")
+#else
+#define DELTA_UNROLL
+#endif
 
 // Apple's element-to-lane map of an 8x8 simdgroup matrix: lane holds (row, col) and
 // (row, col + 1). A row's 8 values sit in the 4 lanes that differ in bits 0 and 3.

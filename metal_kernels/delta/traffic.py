@@ -13,8 +13,9 @@ number of times, never once per simdgroup:
   output        K: once per (key head, chunk), shared by its value heads; h_c and v_new once
                 per value head;
   states_back   Q, K and w: once per threadgroup, DV / BV times per (value head, chunk);
-  grads         Q and K: once per value head per key block (each element R times), v_new twice
-                per value head per key block (dP, then its own rows), h and dh once;
+  grads         Q and K: once per value head per key block (each element R times), v_new once
+                per value head per key block (dP and its own rows from one staging), h and dh
+                once;
   prepare_back  K: twice per value head (dT and dX, then M K), V, dw and du: once.
 """
 
@@ -176,15 +177,15 @@ def _grads(s: Shape, g) -> Traffic:
         v = s.valid(c)
         reads += nkb * _params(g.threads)
         for h in range(r):
-            # cum; dO twice (dP, dq); v_new's own rows; dv_new; dq and dk summed in place
-            reads += nkb * (CHUNK * 4 + 2 * v * d * t + 2 * CHUNK * d * 4)
+            # cum; dO once (dP and dq from one read); dv_new; dq and dk summed in place
+            reads += nkb * (CHUNK * 4 + v * d * t + CHUNK * d * 4)
             reads += (2 * v * d * 4) if h > 0 else 0
             walked += nkb * CHUNK * d * 4 + 2 * d * d * 4 + 2 * v * d * t  # v_new; h, dh; Q, K
             writes += CHUNK * d * 4 + 2 * v * d * 4 + nkb * CHUNK * 4  # dw, dq, dk, dcum
     bound = walked
     kbt = kb // 8
     mma = r * (36 * d // 8 + 8 * 3 * kbt * d // 8 + 72 * kbt)
-    bar = r * (4 * d // sv + 2 * kb // sk + 2)
+    bar = r * (2 * d // sv + 2 * kb // sk + 2)
     return _total(s, s.key_heads, reads, writes, mma, bar, walked, bound, nkb)
 
 
