@@ -33,6 +33,8 @@ from contextlib import contextmanager
 import mlx.core as mx
 import mlx.nn as nn
 
+from metal_kernels.delta import chunked
+
 from . import delta_chunked, delta_recurrence, delta_scan, routing
 from .delta_recurrence import Factors
 
@@ -130,17 +132,57 @@ def recurrence(f: Factors, s: mx.array, differentiable: bool = True):
     On the scan kernels where they apply (MLXWALK_KERNELS=check: compared with the ops, whose
     result goes on)."""
     if delta_scan.use_kernel(f.w.shape[-1], f.u0.shape[-2]):
+        case = routing.ScanCase(routing.backend(), f.w.shape[-1], f.u0.shape[-2])
+        size = f"{f.u0.shape[0]} chunks, {f.u0.shape[1] * f.u0.shape[2] * f.u0.shape[3]} heads"
         if routing.mode() != "check":
             if not differentiable:
-                return delta_scan.scan(f, s, keep=False)[:2]
-            return delta_scan.recurrence(f, s)[:2]
+                return routing.guard(
+                    case,
+                    "delta/scan",
+                    size,
+                    lambda: delta_scan.scan(f, s, keep=False)[:2],
+                    lambda: delta_recurrence.walk(f, s, keep=False)[:2],
+                )
+            return _guarded_scans(case, size)(*f, s)[:2]
         got = delta_scan.scan(f, s, keep=False)[:2]
         want = delta_recurrence.walk(f, s, keep=False)[:2]
-        case = routing.ScanCase(routing.backend(), f.w.shape[-1], f.u0.shape[-2])
         routing.compare(got, want, case, "delta/scan")
     if not differentiable:
         return delta_recurrence.walk(f, s, keep=False)[:2]
     return delta_recurrence.recurrence(f, s)[:2]
+
+
+def _guarded_scans(case: routing.ScanCase, size: str):
+    """The scan kernels' recurrence (outputs, exit state, entry states), forward and backward
+    each falling back to the ops recurrence where it fails (routing.guard). The backward goes
+    through the kernels' own VJP, which recomputes their forward scan."""
+
+    @mx.custom_function
+    def scans(*x):
+        return routing.guard(
+            case,
+            "delta/scan",
+            size,
+            lambda: delta_scan.recurrence(Factors(*x[:6]), x[6]),
+            lambda: delta_recurrence.recurrence(Factors(*x[:6]), x[6]),
+        )
+
+    @scans.vjp
+    def _scans_vjp(primals, cotangents, outputs):
+        def through(f):
+            return lambda: tuple(
+                mx.vjp(lambda *x: f(Factors(*x[:6]), x[6]), list(primals), list(cotangents))[1]
+            )
+
+        return routing.guard(
+            case,
+            "delta/scan_back",
+            size,
+            through(delta_scan.recurrence),
+            through(delta_recurrence.recurrence),
+        )
+
+    return scans
 
 
 def gated_delta_chunked(q, k, v, log_g, beta, state, differentiable: bool = True):
@@ -235,20 +277,61 @@ def gated_delta_update(
     if CPU_COMPILE and routing.backend() is None:
         return _compiled(q, k, v, log_g, beta, state)
     if delta_chunked.use(q, k, v, gated_delta):
+        kernels = _guarded_chunked(delta_chunked.case_of(q, v), q, v)
         if routing.mode() != "check":
-            return delta_chunked.op()(q, k, v, log_g, beta, state)
-        got = delta_chunked.op()(q, k, v, log_g, beta, state)
+            return kernels(q, k, v, log_g, beta, state)
+        got = kernels(q, k, v, log_g, beta, state)
         want = gated_delta(q, k, v, log_g, beta, state)
         routing.compare(got, want, delta_chunked.case_of(q, v), "delta/chunked")
         return want
     if routing.backend() == "metal" and use_mlx_fast(q, v):
+        x = (q, k, v, log_g, beta, state)
+        got = routing.guard(  # (its forward; its backward is MLX's own VJP)
+            _mlx_fast_case(q, v),
+            "mlx gated_delta_update",
+            _size(q),
+            lambda: mlx_fast(*x),
+            lambda: gated_delta(*x),
+        )
         if routing.mode() != "check":
-            return mlx_fast(q, k, v, log_g, beta, state)
-        got = mlx_fast(q, k, v, log_g, beta, state)
+            return got
         want = gated_delta(q, k, v, log_g, beta, state)
         routing.compare(got, want, _mlx_fast_case(q, v), "mlx gated_delta_update")
         return want
     return gated_delta(q, k, v, log_g, beta, state)
+
+
+def _size(q: mx.array) -> str:
+    return f"{q.shape[1]} positions, batch {q.shape[0]}"
+
+
+def _guarded_chunked(case: routing.ChunkedDeltaCase, q: mx.array, v: mx.array):
+    """The chunked kernels' gated delta rule (delta_chunked.op's pair, forward and backward),
+    each falling back to the ops' `gated_delta` where it fails (routing.guard)."""
+    run, where = routing.launch, routing.backend()
+    size = f"{_size(q)}, {v.shape[-2]} value heads"
+
+    @mx.custom_function
+    def kernels(*x):
+        return routing.guard(
+            case,
+            "delta/chunked",
+            size,
+            lambda: chunked.forward(*x, run=run, backend=where),
+            lambda: gated_delta(*x),
+        )
+
+    @kernels.vjp
+    def _kernels_vjp(primals, cotangents, outputs):
+        return routing.guard(
+            case,
+            "delta/chunked backward",
+            size,
+            lambda: chunked.backward(*primals, *cotangents, run=run, backend=where),
+            lambda: tuple(mx.vjp(gated_delta, list(primals), list(cotangents))[1]),
+        )
+
+    return kernels
 
 
 def mlx_fast(q, k, v, log_g, beta, state):

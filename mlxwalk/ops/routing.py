@@ -7,7 +7,9 @@ whatever the measurements say (the CUDA tables and the Metal race below). The se
 once per case (AttentionCase: backend, dtype, head dim, grouped-query ratio; ScanCase: key dim
 and chunk; MlxDeltaCase: a layer's heads and dims): a small case through the kernel and the
 twin; a compile error or a mismatch prints one line naming the kernel and the case, and that
-case stays on the ops path.
+case stays on the ops path. A kernel that passed and then fails at a size it had not run at (a
+launch past a device limit, memory) falls back the same way for that call and the case from then
+on (`guard`); under `on` each of these failures is an error naming the kernel.
 
 On CUDA, where the kernels are measured (docs/BENCHMARKS.md), `auto` follows that table. On
 Metal, where nothing could be measured while the kernels were written, the first use also races
@@ -20,9 +22,10 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, TypeVar
 
 import mlx.core as mx
 
@@ -138,6 +141,8 @@ _RACE_SIZE = {
 launch = build.launch
 backend = build.current_backend
 _verdicts: dict[Case, bool] = {}
+_ran: dict[Case, set[tuple[str, str]]] = {}  # the (kernel, size) pairs each case evaluated
+T = TypeVar("T")
 
 
 def mode() -> str:
@@ -178,16 +183,44 @@ def decide(case: Case, check: Checker, race: Racer | None = None) -> bool:
     return _verdicts[case]
 
 
+@dataclass(frozen=True)
+class Timing:
+    """One side of a race: the median seconds and the peak memory MLX reported over its runs."""
+
+    seconds: float
+    peak_bytes: int
+
+
+_timings: list[Timing] | None = None  # set by `timed`: every `seconds` call's Timing, in order
+
+
+@contextmanager
+def timed() -> Iterator[list[Timing]]:
+    """Within the block each race's sides are recorded (kernel first, then twin, as the racers
+    return them), with their peak memory: what `mlxwalk kernels` prints."""
+    global _timings
+    saved, _timings = _timings, []
+    try:
+        yield _timings
+    finally:
+        _timings = saved
+
+
 def seconds(step: Callable[[], object]) -> float:
     """A race's timing: the median of three runs of `step` after one to warm up (compiles,
     allocations)."""
+    if _timings is not None:  # (a walk's own peak is left alone)
+        mx.reset_peak_memory()
     step()
     times = []
     for _ in range(3):
         t = time.perf_counter()
         step()
         times.append(time.perf_counter() - t)
-    return sorted(times)[1]
+    median = sorted(times)[1]
+    if _timings is not None:
+        _timings.append(Timing(median, mx.get_peak_memory()))
+    return median
 
 
 def won_race(case: Case, race: Racer) -> bool:
@@ -250,3 +283,56 @@ def compare(got: list, want: list, case: Case, name: str) -> None:
     if error > TOLERANCE[case.dtype]:
         report(name, case, f"disagrees with the ops twin (relative error {error:.1e})")
         disable(case)
+
+
+def settle(result: object) -> None:
+    """Evaluate a kernel's result where it is made. MLX runs lazily: without this a launch that
+    fails only at a new size would fail in the training step's own eval, past any fall back.
+    (Injected by the tests as a device failure would raise.)"""
+    mx.eval(result)
+
+
+# Raised by an eval under mx.compile or vmap: nothing can be settled there (the kernel's
+# failure, if any, then shows at the caller's eval).
+_TRACING = "[eval] Attempting to eval an array during function transformations"
+
+
+def guard(case: Case, kernel: str, size: str, run: Callable[[], T], twin: Callable[[], T]) -> T:
+    """`run()`, a routed kernel's result; evaluated at once the first time `kernel` meets `size`
+    in this case (later calls at that size stay lazy). Where it raises, `twin()`: one line names
+    the kernel, the size and the failure, and the case stays on the ops path from then on; under
+    MLXWALK_KERNELS=on a RuntimeError naming the kernel instead.
+
+    Args:
+        case: the routed case (its verdict was True when the caller chose the kernel).
+        kernel: the kernel's name as the notice says it, e.g. "attention/forward".
+        size: the call's size in words; a size not met before is evaluated here.
+        run: builds the kernel's result (arrays, or tuples and lists of them).
+        twin: builds the ops path's result for the same inputs, same structure.
+
+    Returns:
+        `run()`'s result, or `twin()`'s where the kernel failed or its case is already off.
+    """
+    if _verdicts.get(case) is False:  # turned off by an earlier failure in this graph
+        return twin()
+    seen = _ran.setdefault(case, set())
+    try:
+        result = run()
+        if (kernel, size) not in seen:
+            try:
+                settle(result)
+            except Exception as e:
+                if not str(e).startswith(_TRACING):
+                    raise
+            seen.add((kernel, size))
+        return result
+    except Exception as e:  # whatever a real device throws: the ops path still works
+        first = (str(e).splitlines() or [type(e).__name__])[0][:200]
+        if mode() == "on":
+            raise RuntimeError(
+                f"MLXWALK_KERNELS=on, and kernel {kernel} failed at {size} on {case} ({first}); "
+                "unset MLXWALK_KERNELS to fall back to the ops path"
+            ) from e
+        report(kernel, case, f"failed at {size} ({first})")
+        disable(case)
+        return twin()

@@ -88,7 +88,10 @@ def chunk_attention(
     taps, if given, are zero deltas on [grad_from, start) whose gradient is dL/d(cached K/V).
     `how`: a path already decided by `path` (else decided here)."""
     gf = grad_from if taps is not None else (prefix.end if prefix is not None else 0)
-    forward, backward = PATHS[how or path(q, k, prefix, auto, v)]
+    chosen = how or path(q, k, prefix, auto, v)
+    forward, backward = PATHS[chosen]
+    if chosen != "twin":
+        forward, backward = _guarded(q, k, prefix, gf, forward, backward)
 
     @mx.custom_function
     def attend(*inputs):
@@ -102,6 +105,42 @@ def chunk_attention(
 
     inputs = (q, k, v) if taps is None else (q, k, v, *taps)
     return attend(*inputs)[0]
+
+
+def _guarded(q, k, prefix, grad_from, forward, backward):
+    """The kernel path's forward and backward, each falling back to the twin where it fails
+    (routing.guard: one line, that case on the twin from then on)."""
+    arrays = prefix.in_place() if prefix is not None else None
+    case = routing.attention_case(q, k, arrays[0].dtype if arrays is not None else None)
+    start = prefix.end if prefix is not None else 0
+    b, heads, n = q.shape[:3]
+    size = f"batch {b}, {heads} heads, {n} queries over {start + n} keys"
+    fell = []  # the forward fell back: its out and lse are the twin's
+
+    def guarded_forward(*args):
+        def fallback():
+            fell.append(True)
+            return twin.forward(*args)
+
+        return routing.guard(case, "attention/forward", size, lambda: forward(*args), fallback)
+
+    def guarded_backward(q, k, v, prefix, grad_from, scale, tile, out, lse, d_out):
+        inputs = (q, k, v, prefix, grad_from, scale, tile)
+
+        def fallback():  # the kernels' out and lse are in their own layout: the twin's anew
+            return twin.backward(
+                *inputs, *(twin.forward(*inputs) if not fell else (out, lse)), d_out
+            )
+
+        return routing.guard(
+            case,
+            "attention/dq, attention/dkdv",
+            f"{size}, gradient from key {grad_from}",
+            lambda: backward(*inputs, out, lse, d_out),
+            fallback,
+        )
+
+    return guarded_forward, guarded_backward
 
 
 def _attend(queries, keys, values, cache, scale, mask, sinks=None):
