@@ -4,6 +4,7 @@ tile arrays (and one planted in a project kernel) are reported, their compile-ti
 the proxy's threadgroup bytes and threads are the block tables'; the live-float estimate follows
 the tiles a kernel holds; the script prints the table."""
 
+import fcntl
 import subprocess
 import sys
 from pathlib import Path
@@ -30,8 +31,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def measured() -> dict[str, dict]:
-    """Every instance's estimate, compiled in parallel once."""
-    return dict(zip((i.label for i in INSTANCES), proxy.estimates(INSTANCES)))
+    """Every instance's estimate, compiled in parallel once: one pytest-xdist worker compiles
+    (every core), the others wait and read its IR from the cache."""
+    proxy.CACHE.mkdir(parents=True, exist_ok=True)
+    with open(proxy.CACHE / "proxy.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return dict(zip((i.label for i in INSTANCES), proxy.estimates(INSTANCES)))
 
 
 @pytest.mark.parametrize("label", [i.label for i in INSTANCES])

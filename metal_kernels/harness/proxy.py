@@ -230,12 +230,13 @@ def compile_ir(call: Launch, source: str | None = None) -> str:
     key = _digest(unit + _headers() + _clang_version() + " ".join(FLAGS))
     CACHE.mkdir(parents=True, exist_ok=True)
     ll = CACHE / f"{call.spec.name}-{key}.ll"
-    if not ll.exists():
-        cpp = ll.with_suffix(".proxy.cpp")
+    if not ll.exists():  # each compile on files of its own, renamed into place once done
+        mine = f"{os.getpid()}.{threading.get_ident()}"
+        cpp, tmp = ll.with_suffix(f".{mine}.cpp"), ll.with_suffix(f".{mine}.tmp")
         cpp.write_text(unit)
-        tmp = ll.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")  # one per compile
         _clang([*FLAGS, "-o", str(tmp), str(cpp)], call.spec.name)
-        tmp.rename(ll)
+        cpp.replace(ll.with_suffix(".proxy.cpp"))  # the unit beside its IR
+        tmp.replace(ll)
     return ll.read_text()
 
 
