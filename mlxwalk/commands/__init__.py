@@ -13,6 +13,7 @@ NAMES = {
     "plan": "plan",
     "test-walk-exact": "test_walk_exact",
     "convert-adapter": "convert_adapter",
+    "kernels": "kernels",
 }
 
 
