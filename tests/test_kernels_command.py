@@ -82,6 +82,14 @@ def test_a_model_that_is_not_there_is_one_line(capsys, model):
     assert captured.err.startswith("mlxwalk: error: model ") and model in captured.err
 
 
+def test_a_json_folder_that_is_not_there_is_refused_first(monkeypatch, capsys):
+    monkeypatch.setattr(survey, "survey", lambda *a, **k: pytest.fail("surveyed"))
+    assert cli.main(["kernels", "--json", "/no/such/folder/k.json"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("mlxwalk: error: --json /no/such/folder/k.json")
+    assert err.endswith(": the folder /no/such/folder does not exist\n")
+
+
 def test_shapes_from_a_config():
     hybrid = survey.shape_of(tiny.MODELS["tiny-qwen3_5"].config, "h")
     assert (hybrid.head_dim, hybrid.gqa, hybrid.dtype) == (64, 2, "float32")

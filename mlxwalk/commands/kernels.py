@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 HELP = "check and time the custom kernels on this machine (its JSON goes with a bug report)"
 JSON = "mlxwalk-kernels.json"
@@ -61,11 +62,15 @@ def races(survey) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..errors import ConfigError
     from ..ops import survey as kernels
 
     def echo(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
+    folder = Path(args.json).parent
+    if not folder.is_dir():  # said before the survey's minute, not after it
+        raise ConfigError(f"--json {args.json}: the folder {folder} does not exist")
     found = kernels.survey(args.model, echo=echo)
     print(f"device: {found.device.said()}")
     for note in found.notes:
