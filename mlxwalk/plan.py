@@ -213,6 +213,22 @@ def mib(n: float) -> str:
     return f"{n / MIB:.1f} MiB"
 
 
+def memory_lines(rows: Sequence[tuple[str, int, str]], width: int) -> list[str]:
+    """An estimate's parts, one line each: (what, bytes, a note or ""), `what` padded to `width`
+    and the MiB aligned beneath one another."""
+    return [
+        f"  {what:<{width}}{mib(size):>12}" + (f"   ({note})" if note else "")
+        for what, size, note in rows
+    ]
+
+
+def model_rows(est, other: str) -> list[tuple[str, int, str]]:
+    """The rows every estimate opens with: the weights, the adapter with its optimizer state, and
+    whatever else was alive when the walk started (`other`, if any)."""
+    rows = [("weights", est.weights, ""), ("adapter + state", est.adapter, "")]
+    return rows + ([(other, est.resident, "")] if est.resident else [])
+
+
 def plan_window(
     weights: Sequence[float] | Labels,
     chunk: int,

@@ -22,7 +22,7 @@ import mlx.core as mx
 from mlx_lm.models.gated_delta import gated_delta_ops
 
 from mlxwalk import bench, use_openblas
-from mlxwalk.commands.test_walk_exact import prepare
+from mlxwalk.commands.walk_exact import prepare
 from mlxwalk.ops import delta, delta_scan
 from mlxwalk.ops.delta import gated_delta
 from mlxwalk.training import models

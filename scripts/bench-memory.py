@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxwalk import use_openblas
-from mlxwalk.commands.test_walk_exact import prepare
+from mlxwalk.commands.walk_exact import prepare
 from mlxwalk.training import models
 from mlxwalk.walk import ExactWalk, WalkConfig, Window, budget
 

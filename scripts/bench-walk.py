@@ -18,7 +18,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from mlxwalk import bench, use_openblas
-from mlxwalk.commands.test_walk_exact import prepare
+from mlxwalk.commands.walk_exact import prepare
 from mlxwalk.training import models
 from mlxwalk.walk import WalkConfig
 

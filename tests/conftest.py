@@ -37,7 +37,7 @@ def hybrid_path():
 def qwen2(qwen2_path):
     import mlx_lm
 
-    from mlxwalk.commands.test_walk_exact import prepare
+    from mlxwalk.commands.walk_exact import prepare
 
     model, _ = mlx_lm.load(qwen2_path)
     return prepare(model)
@@ -47,7 +47,7 @@ def qwen2(qwen2_path):
 def hybrid(hybrid_path):
     import mlx_lm
 
-    from mlxwalk.commands.test_walk_exact import prepare
+    from mlxwalk.commands.walk_exact import prepare
 
     model, _ = mlx_lm.load(hybrid_path)
     return prepare(model)
@@ -58,7 +58,7 @@ def measured(qwen2_path, hybrid_path):
     """Prepared models that no test trains, shared so their memory probes are measured once."""
     import mlx_lm
 
-    from mlxwalk.commands.test_walk_exact import prepare
+    from mlxwalk.commands.walk_exact import prepare
 
     return {
         "qwen2": prepare(mlx_lm.load(qwen2_path)[0]),

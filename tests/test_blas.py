@@ -59,7 +59,7 @@ assert _blas.loaded is None and not _blas.tried, "importing mlxwalk routed the p
 if sys.argv[1] == "hidden":
     _blas._wheel_library = lambda: None  # as on a machine without the scipy-openblas32 wheel
 model, _ = mlx_lm.load(str(tiny.path("tiny-qwen2")))
-from mlxwalk.commands.test_walk_exact import prepare
+from mlxwalk.commands.walk_exact import prepare
 
 model = prepare(model)
 x = np.arange(64, dtype=np.int32)[None] % 50

@@ -54,7 +54,7 @@ def test_plan_prints_the_estimate_and_exits_1_when_it_does_not_fit():
 def test_test_walk_exact_says_when_float32_products_may_run_in_tf32(monkeypatch):
     import mlx.core as mx
 
-    from mlxwalk.commands import test_walk_exact as exactness
+    from mlxwalk.commands import walk_exact as exactness
 
     monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
     monkeypatch.delenv("MLX_ENABLE_TF32", raising=False)

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from mlxwalk.commands.test_walk_exact import upper_layers_only
+from mlxwalk.commands.walk_exact import upper_layers_only
 from mlxwalk.grading import BARS, EXACT, compare
 from mlxwalk.plan import Footprint, Plan, plan_window
 from mlxwalk.walk import ExactWalk, WalkConfig, Window, one_graph
-from mlxwalk.walking import ExactAlgorithm
+from mlxwalk.walk.algorithm import ExactAlgorithm
 
 N = 160
 IDS = np.random.default_rng(11).integers(0, 256, N + 1)

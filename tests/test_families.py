@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from mlxwalk import tiny, window_gradient
-from mlxwalk.commands.test_walk_exact import prepare
+from mlxwalk.commands.walk_exact import prepare
 from mlxwalk.grading import BARS, EXACT, compare
 from mlxwalk.ops.delta import fast_recurrence
 from mlxwalk.walk import arch

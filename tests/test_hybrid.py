@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from mlxwalk.commands.test_walk_exact import Table
+from mlxwalk.commands.walk_exact import Table
 from mlxwalk.grading import BARS, EXACT, compare
 from mlxwalk.walk import ExactWalk, WalkConfig, Window, window_gradient
 

@@ -490,7 +490,7 @@ def test_test_walk_exact_through_the_metal_kernels_on_the_harness(on_harness, ca
     """`mlxwalk test-walk-exact`'s table with every attention call on the Metal kernels (run by
     the harness): every row OK, and the kernels named as having run."""
     from mlxwalk import tiny
-    from mlxwalk.commands import test_walk_exact as exactness
+    from mlxwalk.commands import walk_exact as exactness
 
     assert exactness.table([("tiny-llama", str(tiny.path("tiny-llama")))])
     out = capsys.readouterr().out

@@ -6,9 +6,9 @@ import json
 import mlx.core as mx
 import pytest
 
-from mlxwalk import cli, tiny
-from mlxwalk.ops import routing, survey
-from mlxwalk.ops.survey import Device, Row, Survey
+from mlxwalk import cli, survey, tiny
+from mlxwalk.ops import routing
+from mlxwalk.survey import Device, Row, Survey
 
 KERNELS = {"attention/forward", "attention/dq", "attention/dkdv", "delta/chunked"}
 KERNELS |= {"delta/scan", "delta/scan_back"}

@@ -12,25 +12,31 @@ LAYERS = {
     "errors": 0,
     "plan": 0,
     "grading": 0,
-    "walking": 0,
     "ops": 1,
     "walk": 2,
     "training": 3,
     "plugin": 4,
     "torch_backend": 4,
+    "survey": 4,
     "commands": 5,
 }
-# Modules outside every backend: the walk's algorithm and its data, and the training loop with its
-# data, windows, run folder and config, shared by the MLX and torch backends.
+# Modules outside every backend: the walks' algorithms and their data, and the training loop with
+# its data, windows, run folder and config, shared by the MLX and torch backends.
 FRAMEWORK_FREE = (
     "mlxwalk.errors",
     "mlxwalk.plan",
     "mlxwalk.grading",
-    "mlxwalk.walking",
+    "mlxwalk.walk.algorithm",
+    "mlxwalk.walk.window",
+    "mlxwalk.walk.activations",
     *(
         f"mlxwalk.training.{m}"
         for m in (
             "run",
+            "setup",
+            "step",
+            "objective",
+            "rescue",
             "framework",
             "runfolder",
             "config",
@@ -47,16 +53,18 @@ FRAMEWORK_FREE = (
 # Imported by the loop, with MLX's safetensors imported inside the two functions that use them.
 LOOP_HELPERS = ("mlxwalk.training.files",)
 FRAMEWORKS = ("mlx", "mlx_lm", "torch", "transformers", "peft")
-# The shared algorithm's names (walking.ExactAlgorithm) and the training loop's (run.Run): a
-# backend supplies mechanics only.
+# The shared algorithms' names (walk/algorithm.py's ExactAlgorithm and PlainAlgorithm) and the
+# training loop's (run.Run): a backend supplies mechanics only.
 SHARED = (
     "decode_forward",
+    "decode_runs",
     "entry_state",
     "reverse",
     "grad_from",
     "narrowed_taps",
     "refuse_narrowing",
     "narrowed",
+    "loss_blocks",
     "loop",
     "stepped",
     "non_finite",
@@ -160,14 +168,44 @@ def test_the_plan_imports_with_the_frameworks_blocked():
 
 
 def test_the_backends_define_no_twin_of_the_shared_algorithm():
-    """The exact walk's phases live in mlxwalk/walking.py only, the training loop's in
+    """The walks' phases live in mlxwalk/walk/algorithm.py only, the training loop's in
     training/run.py: neither backend defines a function or method of theirs (a check by name)."""
     for name, path in modules().items():
         if name in FRAMEWORK_FREE:  # the shared algorithm and the plan it runs on
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.FunctionDef):
-                assert node.name not in SHARED, f"{name} defines {node.name}, walking.py's"
+                assert node.name not in SHARED, f"{name} defines {node.name}, a shared one"
+
+
+# What a torch user imports, with MLX and mlx-lm unimportable. (The torch training run's ranks,
+# torch_backend/ranks.py and train.py, build on training/ranks.py, which imports MLX.)
+TORCH_SIDE = (
+    "mlxwalk",
+    "mlxwalk.torch_backend",
+    *(
+        f"mlxwalk.torch_backend.{m}"
+        for m in ("walk", "exactness", "planning", "budget", "model", "cache", "recurrent")
+    ),
+)
+
+
+@extras.torch
+def test_the_torch_backend_imports_with_mlx_blocked():
+    """The torch backend's walk and its planning read the shared algorithm, window and plan, none
+    of which may load MLX: with `mlx` and `mlx_lm` unimportable they import, and load neither."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; [sys.modules.__setitem__(m, None) for m in ('mlx', 'mlx_lm')]; "
+        f"import {', '.join(TORCH_SIDE)}; "
+        "from mlxwalk.torch_backend.walk import ExactWalk, PlainWalk; "
+        "print('ok', [m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm') "
+        "and sys.modules[m] is not None])"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert p.stdout.strip() == "ok []", p.stderr[-2000:]
 
 
 def test_the_plan_imports_no_array_library():

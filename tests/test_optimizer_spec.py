@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from mlxwalk.training.config import TrainConfig
-from mlxwalk.training.mlx_framework import make_optimizer as mlx_optimizer
+from mlxwalk.training.mlx_framework import build_optimizer
 from mlxwalk.training.optimizer_spec import OptimizerSpec
 
 from . import extras
@@ -94,7 +94,7 @@ GRADS = np.random.default_rng(1).normal(0, 1, (3, 4, 8)).astype(np.float32)
 def mlx_run(cfg, steps=STEPS, updates=3):
     """The learning rate MLX's optimizer takes at each of `steps` updates and the parameter
     after each of the first `updates`."""
-    opt = mlx_optimizer(cfg, steps)
+    opt = build_optimizer(OptimizerSpec.of(cfg, steps))
     params = {"w": mx.array(PARAM)}
     opt.init(params)
     rates, after = [], []
@@ -155,7 +155,7 @@ def torch_run(cfg, steps=STEPS, updates=3):
     from mlxwalk.torch_backend.train import make_optimizer
 
     w = torch.nn.Parameter(torch.tensor(PARAM))
-    opt, schedule = make_optimizer(cfg, [w], steps)
+    opt, schedule = make_optimizer(OptimizerSpec.of(cfg, steps), [w])
     rates, after = [], []
     for k in range(steps):
         rates.append(opt.param_groups[0]["lr"])
@@ -190,13 +190,13 @@ def test_torchs_optimizer_resumes_where_it_stopped():
 
     cfg = config("adamw", "cosine_decay", 1, None)
     w = torch.nn.Parameter(torch.tensor(PARAM))
-    opt, schedule = make_optimizer(cfg, [w], STEPS)
+    opt, schedule = make_optimizer(OptimizerSpec.of(cfg, STEPS), [w])
     for k in range(3):
         if k == 2:  # a checkpoint after two updates, loaded into a fresh optimizer
             saved = {"optimizer": opt.state_dict(), "schedule": schedule.state_dict()}
             saved = torch.load(_roundtrip(saved), weights_only=True)
             again = torch.nn.Parameter(w.detach().clone())
-            opt2, schedule2 = make_optimizer(cfg, [again], STEPS)
+            opt2, schedule2 = make_optimizer(OptimizerSpec.of(cfg, STEPS), [again])
             opt2.load_state_dict(saved["optimizer"])
             schedule2.load_state_dict(saved["schedule"])
             assert opt2.param_groups[0]["lr"] == pytest.approx(

@@ -9,11 +9,12 @@ import pytest
 from mlx import nn
 
 from mlxwalk import bench, tiny, window_gradient
-from mlxwalk.commands.test_walk_exact import prepare
+from mlxwalk.commands.walk_exact import prepare
 from mlxwalk.grading import compare
 from mlxwalk.ops.products import DequantizedLinear, dequantized_matmul, dequantized_products
+from mlxwalk.walk.algorithm import LOSS_BLOCK
 from mlxwalk.walk.arch import Head
-from mlxwalk.walk.loss import LOSS_BLOCK, head_loss
+from mlxwalk.walk.loss import head_loss
 
 
 def rel(a: mx.array, b: mx.array) -> float:
@@ -107,17 +108,17 @@ def test_the_walk_on_dequantized_products_equals_one_graph_on_quantized_ones(nam
 
 def test_auto_gives_up_the_dequantized_head_first_when_a_budget_would_not_hold_it(monkeypatch):
     from mlxwalk.plan import MIB, OutOfMemory
-    from mlxwalk.walk import ExactWalk, WalkConfig, Window, budget, exact
+    from mlxwalk.walk import ExactWalk, WalkConfig, Window, admission, budget
 
     model, _ = bench.shaped("llama3-8b", small=True, bits=4)  # an untied quantized head
     seen = []
 
-    def probe(model, config, reach=None, echo=None):  # the dequantized head's graph is huge
+    def probe(walk, model, config, reach=None, echo=None):  # the dequantized head's graph is huge
         seen.append(config.head_products)
         graph = 1e6 * MIB if config.head_products == "dequantized" else MIB
         return budget.Activations(config.chunk, graph, 0.0, 0.0)
 
-    monkeypatch.setattr(exact, "probe", probe)
+    monkeypatch.setattr(admission, "probe", probe)
     ids = np.random.default_rng(0).integers(0, 256, 257)
     window = Window.of(ids[:-1], ids[1:], np.ones(256))
 

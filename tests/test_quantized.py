@@ -13,7 +13,7 @@ import pytest
 from mlx import nn
 
 from mlxwalk import tiny, window_gradient
-from mlxwalk.commands.test_walk_exact import prepare
+from mlxwalk.commands.walk_exact import prepare
 from mlxwalk.grading import compare
 from mlxwalk.training.config import TrainConfig
 from mlxwalk.training.run import train_run

@@ -334,7 +334,7 @@ def small_vocab(tmp_path_factory) -> str:
 
 
 def test_probes_draw_ids_the_model_has(small_vocab, monkeypatch):
-    from mlxwalk.commands import test_walk_exact as exactness
+    from mlxwalk.commands import walk_exact as exactness
 
     model, _ = mlx_lm.load(small_vocab)
     seen = []
@@ -434,7 +434,7 @@ def test_q8_is_refused_and_not_offered_for_heads_mlx_cannot_quantize(narrow_head
 
 
 def test_test_walk_exact_prints_every_row_on_such_a_model(narrow_heads, capsys):
-    from mlxwalk.commands import test_walk_exact as exactness
+    from mlxwalk.commands import walk_exact as exactness
 
     ok = exactness.table([("head16", narrow_heads)], as_json=True)
     out = json.loads(capsys.readouterr().out)
@@ -738,7 +738,7 @@ def test_schedule_warmup_clipping_and_evals_between(qwen2_path, chats, tmp_path)
         ),
         echo=lines.append,
     )
-    assert r.steps() == 8  # 4 windows, 2 epochs: the schedule decays over every step
+    assert r.setup.windows.steps == 8  # 4 windows, 2 epochs: the schedule decays over every step
     rates = [float(r.fw.optimizer.learning_rate)]
     report = r.train()
     rates.append(float(r.fw.optimizer.learning_rate))

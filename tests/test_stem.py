@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from mlxwalk import window_gradient
-from mlxwalk.commands.test_walk_exact import upper_layers_only
+from mlxwalk.commands.walk_exact import upper_layers_only
 from mlxwalk.grading import BARS, EXACT, compare
 from mlxwalk.walk import ExactWalk, WalkConfig, Window, arch, exact, runner
 

@@ -184,7 +184,8 @@ def test_the_delta_rule_routes_agree():
 
 
 def test_the_blocked_head_loss_is_the_whole_one():
-    from mlxwalk.torch_backend.walk import LOSS_BLOCK, head_loss, weighted_loss
+    from mlxwalk.torch_backend.walk import head_loss, weighted_loss
+    from mlxwalk.walk.algorithm import LOSS_BLOCK
 
     g = torch.Generator().manual_seed(0)
     n = 2 * LOSS_BLOCK + 300

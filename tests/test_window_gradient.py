@@ -8,7 +8,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from mlxwalk import window_gradient
-from mlxwalk.commands.test_walk_exact import Table
+from mlxwalk.commands.walk_exact import Table
 from mlxwalk.grading import BARS, EXACT, compare
 
 N = 128
@@ -115,13 +115,13 @@ def test_bad_input_raises_value_error(qwen2, kwargs, inputs, match):
 def test_loss_in_blocks_is_exact(name, request, monkeypatch):
     import mlx.core as mx
 
-    from mlxwalk.walk import arch, loss
+    from mlxwalk.walk import algorithm, arch
 
     model = request.getfixturevalue(name)
     head = arch.head(model)
     x = mx.array(X[:40])[None]
     assert mx.allclose(head.project(head.body(x, None)), model(x), atol=1e-5)
-    monkeypatch.setattr(loss, "LOSS_BLOCK", 16)  # a 64-position chunk's loss in 4 blocks
+    monkeypatch.setattr(algorithm, "LOSS_BLOCK", 16)  # a 64-position chunk's loss in 4 blocks
     w = np.r_[np.zeros(20), np.ones(108)]
     l1, one = window_gradient(model, X, Y, w, chunk=N, walk="one-graph")
     le, exact = window_gradient(model, X, Y, w, chunk=64)

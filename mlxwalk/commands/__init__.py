@@ -1,6 +1,7 @@
 """The `mlxwalk` command's subcommands, a module each, named after them: `train`, `plan`,
-`test_walk_exact`, `convert_adapter`. Each has `HELP`, `add_arguments(parser)` and `run(args)`;
-cli.py builds the parser from them and maps failures to one line and an exit code."""
+`walk_exact` (test-walk-exact's, named so that pytest takes it for no test), `convert_adapter`.
+Each has `HELP`, `add_arguments(parser)` and `run(args)`; cli.py builds the parser from them
+and maps failures to one line and an exit code."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from ..errors import ConfigError
 NAMES = {
     "train": "train",
     "plan": "plan",
-    "test-walk-exact": "test_walk_exact",
+    "test-walk-exact": "walk_exact",
     "convert-adapter": "convert_adapter",
     "kernels": "kernels",
 }

@@ -1,6 +1,6 @@
 """`mlxwalk kernels`: this machine's device, and every custom kernel at a model's shapes (or a
 representative set): whether it builds, its error against its twin, its race against MLX's own
-path, what MLXWALK_KERNELS=auto picks (ops/survey.py); a table, and the same as JSON for a bug
+path, what MLXWALK_KERNELS=auto picks (survey.py); a table, and the same as JSON for a bug
 report."""
 
 from __future__ import annotations
@@ -62,8 +62,8 @@ def races(survey) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from .. import survey as kernels
     from ..errors import ConfigError
-    from ..ops import survey as kernels
 
     def echo(line: str) -> None:
         print(line, file=sys.stderr, flush=True)

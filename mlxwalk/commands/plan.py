@@ -141,13 +141,5 @@ def run(args) -> int:
         raise ConfigError(f"--window {args.window} exceeds the model's maximum positions ({limit})")
     check_cache_type(args.cache_type, arch.inspect(model).head_dims)
     adapters.apply(model, adapters.LoraConfig(rank=args.rank, num_layers=args.num_layers))
-    config = WalkConfig(
-        chunk=args.chunk,
-        horizon=args.horizon,
-        cache_type=args.cache_type,
-        host_budget_mib=args.host_budget_mib,
-        memory_budget_mib=args.memory_budget_mib,
-        recompute=bool(args.recompute),
-        keep_inputs=args.keep_inputs,
-    ).check()
+    config = WalkConfig.from_fields(args, recompute=bool(args.recompute)).check()
     return 0 if report(model, args.model, args.window, config) else 1

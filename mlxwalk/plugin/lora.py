@@ -423,17 +423,15 @@ def fine_tune(o, walk_config, ranks: Ranks, training_callback=None) -> None:
 def training_args(o):
     from mlx_lm.tuner.trainer import TrainingArgs
 
-    return TrainingArgs(
-        batch_size=o.batch_size,
-        iters=o.iters,
-        val_batches=o.val_batches,
-        steps_per_report=o.steps_per_report,
-        steps_per_eval=o.steps_per_eval,
+    from ..training.config import from_fields
+
+    return from_fields(
+        TrainingArgs,
+        o,
         steps_per_save=o.save_every,
         adapter_file=str(Path(o.adapter_path) / "adapters.safetensors"),
         max_seq_length=o.max_seq_length or NO_CUT,
         grad_checkpoint=bool(o.grad_checkpoint),
-        clear_cache_threshold=o.clear_cache_threshold,
     )
 
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..plan import OutOfMemory, Plan, mib
-from ..walk.budget import Activations, graph_bytes
+from ..plan import OutOfMemory, Plan, memory_lines, mib, model_rows
+from ..walk.activations import Activations, graph_bytes
 
 # (store, accumulators), least host memory first
 PLACEMENTS = (("device", "device"), ("device", "host"), ("host", "host"))
@@ -57,17 +57,16 @@ class Estimate:
         )
 
     def lines(self) -> list[str]:
-        return [
-            f"  weights              {mib(self.weights):>12}",
-            f"  adapter + state      {mib(self.adapter):>12}",
-            *([f"  other tensors        {mib(self.resident):>12}"] if self.resident else []),
-            f"  graph                {mib(self.chunk_graph):>12}   (the last chunk's)",
-            f"  K/V store            {mib(self.store):>12}   ({self.store_at})",
-            f"  K/V accumulators     {mib(self.accumulators):>12}   ({self.accumulators_at})",
-            f"  recurrent checkpoints{mib(self.checkpoints):>12}   (device)",
-            f"  GPU total            {mib(self.gpu):>12}",
-            f"  pinned host total    {mib(self.host):>12}",
+        rows = [
+            *model_rows(self, "other tensors"),
+            ("graph", self.chunk_graph, "the last chunk's"),
+            ("K/V store", self.store, self.store_at),
+            ("K/V accumulators", self.accumulators, self.accumulators_at),
+            ("recurrent checkpoints", self.checkpoints, "device"),
+            ("GPU total", self.gpu, ""),
+            ("pinned host total", self.host, ""),
         ]
+        return memory_lines(rows, 21)
 
 
 def fit(chunk: int, width: int, graph) -> Activations:

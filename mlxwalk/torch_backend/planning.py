@@ -11,7 +11,7 @@ import torch
 
 from ..errors import ConfigError, OutOfMemory
 from ..plan import mib, plan_window
-from ..walk.config import Window
+from ..walk.window import Window
 from .model import footprint
 from .walk import DTYPES, mib_bytes
 
@@ -81,13 +81,7 @@ def measured(args, echo=print) -> int:
         layers=layers,
         keys=DEFAULT_KEYS,
     )
-    config = TorchWalkConfig(
-        chunk=args.chunk,
-        horizon=args.horizon,
-        store_dtype=args.cache_type,
-        host_budget_mib=args.host_budget_mib,
-        memory_budget_mib=args.memory_budget_mib,
-    )
+    config = TorchWalkConfig.from_fields(args, store_dtype=args.cache_type)
     echo(
         f"model {args.model} ({model.config.model_type}, torch backend, CUDA), window "
         f"{args.window}, chunk {args.chunk}, horizon {args.horizon or 'the whole window'}, "

@@ -1,8 +1,8 @@
 """Several processes training one PEFT adapter (under `torchrun`): torch.distributed's group
-(gloo on the CPU, NCCL on GPUs), with the MLX run's rules (mlxwalk/training/ranks.py): a step
-covers --windows-per-step windows per rank, its gradient the mean over all their labelled
-positions, from one all_reduce of one float32 vector; rank 0 writes and speaks; a failing rank
-stops every rank with one line naming it."""
+(gloo on the CPU, NCCL on GPUs), with the MLX run's rules (mlxwalk/training/ranks.py) and its
+step (mlxwalk/training/step.py: what a step reduces, the same layout): one all_reduce of one
+float32 vector per step; rank 0 writes and speaks; a failing rank stops every rank with one line
+naming it."""
 
 from __future__ import annotations
 
@@ -42,22 +42,21 @@ class TorchRanks(Ranks):
             return x
         return self.all_sum(torch.from_numpy(x).to(self.device)).cpu().numpy()
 
+    def reduce(
+        self, head: np.ndarray, grads: list[torch.Tensor]
+    ) -> tuple[np.ndarray, list[torch.Tensor]]:
+        """A step's head (step.Layout) and gradient summed over the ranks in one all_reduce of
+        one float32 vector; the gradient comes back in float32."""
+        flat = torch.cat(
+            [torch.from_numpy(head).to(self.device)]
+            + [g.to(self.device, torch.float32).reshape(-1) for g in grads]
+        )  # (len(head) + parameters,)
+        self.all_sum(flat)
+        summed, at = [], len(head)
+        for g in grads:
+            summed.append(flat[at : at + g.numel()].reshape(g.shape).to(g.device))
+            at += g.numel()
+        return flat[: len(head)].cpu().numpy(), summed
 
-def reduce_grads(
-    ranks: TorchRanks, grads: list[torch.Tensor], head: np.ndarray
-) -> tuple[list[torch.Tensor], np.ndarray]:
-    """The weighted gradients and the step's head (losses, weights, flags) summed over the
-    ranks in one all_reduce."""
-    flat = torch.cat(
-        [torch.from_numpy(head).to(ranks.device)]
-        + [g.to(ranks.device, torch.float32).reshape(-1) for g in grads]
-    )
-    ranks.all_sum(flat)
-    out, at = [], len(head)
-    for g in grads:
-        out.append(flat[at : at + g.numel()].reshape(g.shape).to(g.device, g.dtype))
-        at += g.numel()
-    return out, flat[: len(head)].cpu().numpy()
 
-
-__all__ = ["TorchRanks", "reduce_grads"]
+__all__ = ["TorchRanks"]

@@ -61,30 +61,14 @@ def mlxwalk_rule(
     return y.to(value.dtype), (s.transpose(-1, -2) if output_final_state else None)
 
 
-def fla_rule(
-    query,
-    key,
-    value,
-    g,
-    beta,
-    chunk_size: int = 64,
-    initial_state=None,
-    output_final_state: bool = False,
-    use_qk_l2norm_in_kernel: bool = False,
-    **kwargs,
-):
+def fla_rule(query, key, value, g, beta, chunk_size: int = 64, **kwargs):
+    """transformers' contract (mlxwalk_rule's arguments) over flash-linear-attention's kernel,
+    which takes the initial state, the final state's return and the l2 norm as they come."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    return chunk_gated_delta_rule(
-        query,
-        key,
-        value,
-        g=g,
-        beta=beta,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-    )
+    passed = ("initial_state", "output_final_state", "use_qk_l2norm_in_kernel")
+    given = {k: kwargs[k] for k in passed if k in kwargs}
+    return chunk_gated_delta_rule(query, key, value, g=g, beta=beta, **given)
 
 
 def fla_problem(device: torch.device) -> str | None:

@@ -2,11 +2,12 @@
 transformers model with a PEFT adapter, through the torch walk: `TorchFramework` is torch's
 mechanics for it.
 
-Everything but the mechanics is the MLX run's: the data, the windows, the folder's lock and
-identity, checkpoints, resume, the NaN guard, Ctrl-C, the epoch table, the report and the loss
-curve. So is the optimizer: both backends build it from training/optimizer_spec.py (mlx-lm's
-schedule, MLX's Adam/AdamW/SGD with its defaults: no bias correction, AdamW's weight decay 0.01),
-torch's as `SpecOptimizer` under a LambdaLR. The adapter is PEFT's
+Everything but the mechanics is the MLX run's: the data, the windows, the objective and the step
+with its one reduction (training/step.py), the folder's lock and identity, checkpoints, resume,
+the NaN guard, Ctrl-C, the epoch table, the report and the loss curve. So is the optimizer: both
+backends take the run's training/optimizer_spec.py (mlx-lm's schedule, MLX's Adam/AdamW/SGD with
+its defaults: no bias correction, AdamW's weight decay 0.01), torch's built as `SpecOptimizer`
+under a LambdaLR. The adapter is PEFT's
 (`adapter_model.safetensors` + `adapter_config.json`, which `mlxwalk convert-adapter` turns into
 mlx-lm's); a checkpoint holds it, the optimizer's and the schedule's state (`optimizer.pt`) and
 the position.
@@ -26,15 +27,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import ConfigError, ModelError
+from ..errors import ConfigError, ModelError, NonFinite
 from ..training import run
 from ..training.config import TrainConfig
-from ..training.framework import Admission, Framework, Loaded, Stepped
+from ..training.framework import Admission, Framework, Loaded
 from ..training.optimizer_spec import OptimizerSpec
-from ..walk.config import Window
-from ..walk.guards import NonFinite
+from ..walk.window import Window
 from . import model as models
-from .ranks import TorchRanks, reduce_grads
+from .ranks import TorchRanks
 from .walk import DTYPES, ExactWalk, PlainWalk, TorchWalkConfig, train_window
 
 DEFAULT_KEYS = ("q_proj", "v_proj", "in_proj_qkv", "in_proj_z")  # attention and delta-net
@@ -85,13 +85,10 @@ class TorchFramework(Framework):
 
     name = "torch"
     adapter_files = ("adapter_model.safetensors", "adapter_config.json")
-
-    @staticmethod
-    def ranks_class():
-        return TorchRanks
+    ranks_kind = TorchRanks
 
     def __init__(self, ranks: TorchRanks | None = None):
-        self.ranks = ranks or TorchRanks(None)
+        super().__init__(ranks)
         cuda = torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else None
         self.device = self.device or torch.device("cpu")
@@ -117,17 +114,9 @@ class TorchFramework(Framework):
         )
 
     def walk_config(self, cfg: TrainConfig) -> TorchWalkConfig:
-        return TorchWalkConfig(
-            chunk=cfg.chunk,
-            horizon=cfg.horizon,
-            store_dtype=cfg.cache_type,
-            host_budget_mib=cfg.host_budget_mib,
-            memory_budget_mib=cfg.memory_budget_mib,
-            strict_exact=cfg.strict_exact,
-            follow_runs=cfg.follow_runs,
-        )
+        return TorchWalkConfig.from_fields(cfg, store_dtype=cfg.cache_type)
 
-    def adapt(self, cfg: TrainConfig, steps: int) -> None:
+    def adapt(self, cfg: TrainConfig, spec: OptimizerSpec) -> None:
         torch.manual_seed(cfg.seed)
         layers = None if cfg.num_layers == -1 else cfg.num_layers
         keys = tuple(k.rsplit(".", 1)[-1] for k in cfg.targets) if cfg.targets else DEFAULT_KEYS
@@ -135,7 +124,7 @@ class TorchFramework(Framework):
             self.base, rank=cfg.rank, alpha=cfg.scale * cfg.rank, layers=layers, keys=keys
         )
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer, self.schedule = make_optimizer(cfg, self.params, steps)
+        self.optimizer, self.schedule = make_optimizer(spec, self.params)
 
     def admit(self, cfg: TrainConfig, example) -> Admission:
         window = Window.of(example.inputs, example.targets, example.weights)
@@ -169,96 +158,49 @@ class TorchFramework(Framework):
     def peak(self) -> int:
         return torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0
 
-    def step(self, examples: list, cfg: TrainConfig, seed: int, on_chunk) -> Stepped:
-        """One window in one process steps as the walk does on its own (train_window); more, in
-        one reduction over the ranks (combined_step)."""
+    def walk_plain(self, window, cfg: TrainConfig, seed: int, on_chunk) -> tuple[float, int]:
+        window = Window.of(window.inputs, window.targets, window.weights)
+        config = self.walk_config(cfg)
         try:
-            if len(examples) == 1 and self.ranks.size == 1:
-                ex = examples[0]
-                window = Window.of(ex.inputs, ex.targets, ex.weights)
-                walk = train_window(
-                    self.model,
-                    self.optimizer,
-                    window,
-                    self.walk_config(cfg),
-                    cfg.walk,
-                    clip=cfg.grad_clip,
-                )
-                used = getattr(walk, "horizon_used", cfg.horizon)
-                losses, horizons = [walk.loss], [used if used != cfg.horizon else 0]
-            else:
-                losses, horizons = self.combined_step(examples, cfg)
+            walk = train_window(self.model, self.optimizer, window, config, "plain", cfg.grad_clip)
         except FloatingPointError as e:
-            return Stepped(np.zeros(len(examples)), np.zeros(len(examples)), False, NonFinite(e))
+            raise NonFinite(str(e)) from None
         self.schedule.step()
-        return Stepped(np.asarray(losses, np.float32), np.asarray(horizons, np.float32))
+        return walk.loss, cfg.horizon
 
-    def step_plain(self, example, cfg: TrainConfig, seed: int, on_chunk) -> Stepped:
-        window = Window.of(example.inputs, example.targets, example.weights)
-        try:
-            walk = train_window(
-                self.model,
-                self.optimizer,
-                window,
-                self.walk_config(cfg),
-                "plain",
-                clip=cfg.grad_clip,
-            )
-        except FloatingPointError as e:
-            return Stepped(np.zeros(1), np.zeros(1), False, NonFinite(e))
-        self.schedule.step()
-        return Stepped(np.array([walk.loss], np.float32), np.zeros(1, np.float32))
+    def zeros(self) -> list[torch.Tensor]:
+        self.touched = [False] * len(self.params)  # which the walks gave a gradient
+        return [torch.zeros_like(q, dtype=torch.float32) for q in self.params]
 
-    def combined_step(self, examples: list, cfg: TrainConfig) -> tuple[np.ndarray, np.ndarray]:
-        """This rank's windows walked, their gradients weighted by their labelled weight; one
-        all_reduce with every rank's; one step on the mean over the step's labelled positions.
-        A rank's failure stops every rank (RankFailed); a non-finite one, the step."""
-        slots, size = len(examples), self.ranks.size
-        head = np.zeros(3 * slots + 1 + size, np.float32)  # losses x w, w, horizons, flags
-        acc = [torch.zeros_like(q, dtype=torch.float32) for q in self.params]
-        error = None
-        for i in self.ranks.mine(list(range(slots)), cfg.windows_per_step):
-            ex = examples[i]
-            window = Window.of(ex.inputs, ex.targets, ex.weights)
-            self.optimizer.zero_grad(set_to_none=True)
-            try:
-                walk = ExactWalk(self.model, window, self.walk_config(cfg))
-                loss = walk.run()
-            except Exception as e:
-                if size == 1:
-                    raise
-                error = e
-                break
-            grads = [q.grad for q in self.params]
-            finite = all(torch.isfinite(g).all() for g in grads if g is not None)
-            if not np.isfinite(loss) or not finite:
-                head[3 * slots] = 1
-                continue
-            for a, g in zip(acc, grads):
-                if g is not None:
-                    a.add_(g.float(), alpha=float(window.total))
-            used = walk.horizon_used
-            head[i], head[slots + i] = loss * window.total, window.total
-            head[2 * slots + i] = used if used != cfg.horizon else 0
-        head[3 * slots + 1 + self.ranks.rank] = error is not None
-        summed, head = reduce_grads(self.ranks, acc, head)
-        failed = head[3 * slots + 1 :]
-        if failed.any():
-            self.ranks._raise(int(np.flatnonzero(failed)[0]), error)
-        if head[3 * slots] or not np.isfinite(head[:slots]).all():
-            raise FloatingPointError("a non-finite loss or gradient in the step; no step taken")
-        weights = head[slots : 2 * slots]
-        whole = float(weights.sum())
-        for q, g in zip(self.params, summed):
-            q.grad = (g / whole).to(q.dtype)
-        if cfg.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
+    def gradient(self, window, cfg: TrainConfig, seed: int, on_chunk) -> tuple:
+        window = Window.of(window.inputs, window.targets, window.weights)
+        self.optimizer.zero_grad(set_to_none=True)
+        walk = ExactWalk(self.model, window, self.walk_config(cfg))
+        loss = walk.run()
+        if not np.isfinite(loss):
+            raise NonFinite(f"the window's loss is {loss}; no step taken")
+        grads = [q.grad for q in self.params]
+        if not all(torch.isfinite(g).all() for g in grads if g is not None):
+            raise NonFinite("a non-finite gradient; no step taken")
+        return loss, grads, walk.horizon_used
+
+    def accumulate(self, acc: list, grads: list, scale: float) -> list:
+        for a, g in zip(acc, grads):
+            if g is not None:
+                a.add_(g.float(), alpha=scale)
+        self.touched = [t or g is not None for t, g in zip(self.touched, grads)]
+        return acc
+
+    def apply(self, grads: list, whole: float | None, clip: float | None) -> None:
+        """(One window: the walk's gradient as it is, none where the walk gave none.)"""
+        for q, g, touched in zip(self.params, grads, self.touched):
+            alone = whole is None
+            q.grad = None if alone and not touched else (g if alone else g / whole).to(q.dtype)
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(self.params, clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        losses = np.divide(
-            head[:slots], weights, out=np.zeros(slots, np.float32), where=weights > 0
-        )
-        return losses, head[2 * slots : 3 * slots]
+        self.schedule.step()
 
     def window_loss(self, example, cfg: TrainConfig) -> float:
         window = Window.of(example.inputs, example.targets, example.weights)
@@ -292,15 +234,15 @@ class TorchFramework(Framework):
         self.optimizer.load_state_dict(state["optimizer"])
         self.schedule.load_state_dict(state["schedule"])
 
-    def resume_lr(self, cfg: TrainConfig) -> float | None:
+    def resume_lr(self, spec: OptimizerSpec) -> float | None:
         """Without a schedule, --lr from here on (the checkpoint's schedule holds the old)."""
-        if cfg.lr_schedule or cfg.warmup:
+        if spec.scheduled:
             return None
         was = float(self.schedule.base_lrs[0])
-        self.schedule.base_lrs = [cfg.lr for _ in self.schedule.base_lrs]
+        self.schedule.base_lrs = [spec.lr for _ in self.schedule.base_lrs]
         for group in self.optimizer.param_groups:
-            group["lr"] = cfg.lr
-        return None if math.isclose(was, cfg.lr, rel_tol=1e-6) else was
+            group["lr"] = spec.lr
+        return None if math.isclose(was, spec.lr, rel_tol=1e-6) else was
 
     def report(self) -> dict:
         return {"adapter_format": "peft", "device": str(self.device)}
@@ -352,10 +294,9 @@ class SpecOptimizer(torch.optim.Optimizer):
         return loss
 
 
-def make_optimizer(cfg: TrainConfig, params: list, steps: int):
-    """The run's optimizer over `steps` updates (training/optimizer_spec.py, which MLX's is built
-    from too) and a LambdaLR giving each update the spec's learning rate: mlx-lm's schedule."""
-    spec = OptimizerSpec.of(cfg, steps)
+def make_optimizer(spec: OptimizerSpec, params: list):
+    """The optimizer `spec` describes (training/optimizer_spec.py, which MLX's is built from too)
+    and a LambdaLR giving each update the spec's learning rate: mlx-lm's schedule."""
     opt = SpecOptimizer(params, spec)
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: spec.factor(step))
 

@@ -1,6 +1,6 @@
-"""The exact and plain walks over one window for a transformers model with a PEFT adapter. The
-exact walk's algorithm is mlxwalk/walking.py's, on the shared plan (mlxwalk/plan.py); here are
-its torch mechanics: the store and the caches a chunk reads (cache.py), the K/V gradient
+"""The exact and plain walks over one window for a transformers model with a PEFT adapter. Their
+algorithms are mlxwalk/walk/algorithm.py's, on the shared plan (mlxwalk/plan.py); here are their
+torch mechanics: the store and the caches a chunk reads (cache.py), the K/V gradient
 accumulators (on the device or in pinned host memory), a chunk's graph differentiated with
 `.backward()` (the adapter's gradient summed in `.grad` across chunks), and under a memory budget
 the placement of the store and accumulators (budget.py)."""
@@ -11,7 +11,7 @@ import logging
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 import torch
@@ -19,9 +19,9 @@ from torch.utils.checkpoint import checkpoint
 
 from ..errors import ConfigError
 from ..plan import Footprint, cut, plan_window
-from ..walk.budget import Activations, graph_bytes
-from ..walk.config import Window
-from ..walking import ExactAlgorithm
+from ..walk.activations import Activations, graph_bytes
+from ..walk.algorithm import ExactAlgorithm, PlainAlgorithm, loss_blocks
+from ..walk.window import Window
 from . import budget as budgets
 from .cache import Store, WalkCache
 from .model import footprint
@@ -45,6 +45,13 @@ class TorchWalkConfig:
     memory_budget_mib: float | None = None
     follow_runs: bool = True
 
+    @classmethod
+    def from_fields(cls, source, **overrides) -> TorchWalkConfig:
+        """A config of `source`'s attributes named as its fields (a run's settings, a command's
+        arguments), then `overrides`."""
+        given = {f.name: getattr(source, f.name) for f in fields(cls) if hasattr(source, f.name)}
+        return cls(**{**given, **overrides})
+
 
 def weighted_loss(
     logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor, total: float
@@ -54,31 +61,20 @@ def weighted_loss(
     return (ce * weights).sum() / total
 
 
-LOSS_BLOCK = 1024  # positions whose logits are alive at once in a chunk's graph
-
-
 def head_loss(
     head, h: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor, total: float
 ) -> torch.Tensor:
-    """weighted_loss of head(h), LOSS_BLOCK positions at a time, each block checkpointed: a
-    chunk's logits (positions x vocabulary, its largest tensor for a large vocabulary) are never
-    all alive, forward or backward, for the price of one more output projection."""
+    """weighted_loss of head(h) (1, n, hidden), in the blocks of algorithm.loss_blocks, each
+    checkpointed: the chunk's logits are never all alive, forward or backward."""
 
     def block(hb, tb, wb):
         return weighted_loss(head(hb), tb, wb, total)
 
-    n = h.shape[1]
-    if n <= LOSS_BLOCK:
+    blocks = loss_blocks(h.shape[1])
+    if len(blocks) == 1:
         return block(h, targets, weights)
     parts = [
-        checkpoint(
-            block,
-            h[:, i : i + LOSS_BLOCK],
-            targets[i : i + LOSS_BLOCK],
-            weights[i : i + LOSS_BLOCK],
-            use_reentrant=False,
-        )
-        for i in range(0, n, LOSS_BLOCK)
+        checkpoint(block, h[:, b], targets[b], weights[b], use_reentrant=False) for b in blocks
     ]
     return torch.stack(parts).sum()
 
@@ -124,6 +120,12 @@ class Walk:
             self.hidden(start, end, cache)
         return {n: {k: x.detach() for k, x in s.items()} for n, s in cache.exit.items()}
 
+    def zero_state(self) -> dict:
+        return {}
+
+    def decode(self, chunk, states: dict, write: bool = True) -> dict:
+        return self.decode_span(chunk.start, chunk.end, states, write)
+
     def chunk_loss(self, start: int, end: int, cache: WalkCache) -> torch.Tensor:
         """The chunk's share of the window's loss, as a graph."""
         h = self.hidden(start, end, cache)
@@ -149,10 +151,6 @@ class Walk:
                     )
                 states = cache.exit
         return loss
-
-    def tick(self, phase: str, done: int, total: int) -> None:
-        if self.on_chunk is not None:
-            self.on_chunk(phase, done, total)
 
 
 class _EvalMode:
@@ -316,7 +314,7 @@ class ExactWalk(Walk, ExactAlgorithm):
     def graph_bytes(self, taps: int, prefix: int) -> int:
         return graph_bytes(self.acts, self.footprint, taps, prefix)
 
-    # --- the mechanics the shared algorithm (mlxwalk/walking.py) runs on ---------------------
+    # --- the mechanics the shared algorithm (walk/algorithm.py) runs on ----------------------
 
     @property
     def recurrent(self) -> bool:
@@ -344,12 +342,6 @@ class ExactWalk(Walk, ExactAlgorithm):
         self.store = self.acc = None
         self.checkpoints = {}
         return loss
-
-    def zero_state(self) -> dict:
-        return {}
-
-    def decode(self, chunk, states: dict, write: bool = True) -> dict:
-        return self.decode_span(chunk.start, chunk.end, states, write)
 
     def start_reverse(self) -> None:
         self.decoded = _now(self.device)
@@ -423,34 +415,28 @@ def probe(model, chunk: int, store_dtype: str | None = None) -> Activations:
 _probes: dict[tuple, tuple] = {}
 
 
-class PlainWalk(Walk):
+class PlainWalk(Walk, PlainAlgorithm):
     """Chunk by chunk, the prefix as constants, the gradient cut at every chunk boundary; with
     `step`, one step per labelled chunk (the chunk is then re-decoded under the new adapter)."""
 
     def run(self, step: Callable[[], None] | None = None) -> float:
-        chunks = cut(self.window.labels, self.config.chunk, self.config.follow_runs)
-        with self.walking():
-            loss = self._run(chunks, step)
+        loss = self.walk(step)
         self.store = None
         return loss
 
-    def _run(self, chunks, step) -> float:
-        self.new_store(chunks[-1].end)
-        loss, states = 0.0, {}
-        for chunk in chunks:
-            if chunk.labelled:
-                cache = WalkCache(
-                    self.store, chunk.start, chunk.end, states, train=True, grad_from=chunk.start
-                )
-                chunk_loss = self.chunk_loss(chunk.start, chunk.end, cache)
-                chunk_loss.backward()
-                loss += float(chunk_loss.detach())
-                if step is not None:
-                    step()
-            if chunk is not chunks[-1]:
-                states = self.decode_span(chunk.start, chunk.end, states)
-            self.tick("train", chunk.index + 1, len(chunks))
-        return loss
+    def train_plain(self, chunk, states: dict, step) -> float:
+        cache = WalkCache(
+            self.store, chunk.start, chunk.end, states, train=True, grad_from=chunk.start
+        )
+        loss = self.chunk_loss(chunk.start, chunk.end, cache)
+        loss.backward()
+        share = float(loss.detach())
+        if step is not None:
+            step()
+        return share
+
+    def finish_plain(self, loss) -> float:
+        return 0.0 if loss is None else loss
 
 
 def one_graph(model, window: Window) -> float:

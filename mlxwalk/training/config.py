@@ -239,15 +239,10 @@ class TrainConfig:
     def walk_config(self, seed: int | None = None) -> WalkConfig:
         from ..walk import WalkConfig
 
-        return WalkConfig(
-            chunk=self.chunk,
-            horizon=self.horizon,
-            cache_type=self.cache_type,
-            recompute=self.recompute,
-            host_budget_mib=self.host_budget_mib,
-            memory_budget_mib=self.memory_budget_mib,
-            seed=seed,
-            follow_runs=self.follow_runs,
-            strict_exact=self.strict_exact,
-            keep_inputs=self.keep_inputs,
-        ).check()
+        return WalkConfig.from_fields(self, seed=seed).check()
+
+
+def from_fields(kind, source, **given):
+    """A `kind` (a dataclass) of `source`'s attributes named as its fields, then `given`."""
+    names = [f.name for f in fields(kind) if hasattr(source, f.name)]
+    return kind(**{**{name: getattr(source, name) for name in names}, **given})

@@ -1,6 +1,7 @@
-"""What the one training loop (run.py) needs from a framework: its mechanics, and nothing of the
-loop. MLX's are `MLXFramework` (mlx_framework.py); torch's `TorchFramework`
-(torch_backend/train.py). No array library here: the loop sees plain numbers and folders."""
+"""What the one training loop (run.py) and its step (step.py) need from a framework: its
+mechanics, and nothing of the loop. MLX's are `MLXFramework` (mlx_framework.py); torch's
+`TorchFramework` (torch_backend/train.py). No array library here: the loop sees plain numbers and
+folders."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import NonFinite
 from ..plan import Plan
+from .objective import TOKENS
+from .step import Stepped, take_step
 
 
 @dataclass
@@ -35,31 +39,15 @@ class Admission:
     graph: int | None = None
 
 
-@dataclass
-class Stepped:
-    """One optimizer step, as the loop sees it: each window's loss and the horizon it used (0: as
-    asked), or a non-finite step (not taken; `error` says why)."""
-
-    losses: np.ndarray
-    horizons: np.ndarray
-    finite: bool = True
-    error: BaseException | None = None
-    reduce_seconds: float = 0.0  # in the ranks' reduction, the wait for the slowest included
-    weights: np.ndarray | None = None  # each window's labelled weight, where known
-
-
 class Framework:
     """A framework's mechanics for one run (each method says what the loop relies on)."""
 
     name = "mlx"
     adapter_files: tuple[str, ...] = ()  # what `save_adapter` writes into a folder
-    ranks = None  # training.ranks.Ranks or a subclass
+    ranks_kind = None  # the class of its group of processes (training.ranks.Ranks or a subclass)
 
-    @staticmethod
-    def ranks_class():
-        """The class of this framework's group of processes (training.ranks.Ranks or one of its
-        subclasses), whose `init()` makes the launch's."""
-        raise NotImplementedError
+    def __init__(self, ranks=None):
+        self.ranks = ranks or self.ranks_kind(None)
 
     def model_folder(self, model: str) -> Path:
         """The model's local folder (nothing loaded yet)."""
@@ -71,8 +59,9 @@ class Framework:
     def load(self, cfg) -> Loaded:
         raise NotImplementedError
 
-    def adapt(self, cfg, steps: int) -> None:
-        """The adapter on the model (seeded) and the optimizer with its schedule over `steps`."""
+    def adapt(self, cfg, spec) -> None:
+        """The adapter on the model (seeded) and the optimizer with its schedule, as `spec` (an
+        optimizer_spec.OptimizerSpec) describes them."""
         raise NotImplementedError
 
     def budget(self, cfg, echo):
@@ -97,14 +86,43 @@ class Framework:
     def peak(self) -> int:
         return 0
 
-    def step(self, examples: list, cfg, seed: int, on_chunk) -> Stepped:
-        """One optimizer step over `examples` (this rank walks its share; the ranks reduce once),
-        taken unless some window's loss or gradient is not finite. Window i is seeded
-        `seed + i` (dropout)."""
+    def step(self, items: list, cfg, seed: int, on_chunk, objective=TOKENS, error=None) -> Stepped:
+        """One optimizer step over `items` through `objective` (step.py: this rank walks its
+        share; the ranks reduce once), taken unless some loss or gradient is not finite."""
+        return take_step(self, items, cfg, seed, on_chunk, objective, error)
+
+    # The step's mechanics (step.py): a gradient is whatever the framework sums in.
+    def zeros(self):
+        """A zero gradient sum over the adapter's parameters."""
         raise NotImplementedError
 
-    def step_plain(self, example, cfg, seed: int, on_chunk) -> Stepped:
-        """One window by the plain walk, a step per labelled chunk (one process)."""
+    def gradient(self, window, cfg, seed: int, on_chunk) -> tuple[float, object, int]:
+        """The exact walk's gradient of `window`'s mean loss: (loss, gradient, horizon used);
+        NonFinite when either is not finite."""
+        raise NotImplementedError
+
+    def accumulate(self, acc, grads, scale: float):
+        """`acc` + `scale` x `grads`."""
+        raise NotImplementedError
+
+    def apply(self, grads, whole: float | None, clip: float | None) -> None:
+        """The optimizer's update on `grads` / `whole` (None: as they are), clipped first to
+        the global L2 norm `clip` if given; the schedule moves on."""
+        raise NotImplementedError
+
+    def step_plain(self, window, cfg, seed: int, on_chunk) -> Stepped:
+        """One window by the plain walk, a step per labelled chunk (one process; token
+        cross-entropy only)."""
+        try:
+            loss, used = self.walk_plain(window, cfg, seed, on_chunk)
+        except NonFinite as e:
+            return Stepped(np.zeros(1), np.zeros(1), False, e)
+        horizon = np.array([used if used != cfg.horizon else 0])
+        return Stepped(np.array([loss]), horizon, weights=np.array([float(window.weights.sum())]))
+
+    def walk_plain(self, window, cfg, seed: int, on_chunk) -> tuple[float, int]:
+        """The plain walk's steps on `window`: (its loss, the horizon it used); NonFinite before
+        a step that is not finite."""
         raise NotImplementedError
 
     def window_loss(self, example, cfg) -> float:
@@ -130,9 +148,9 @@ class Framework:
         """A checkpoint's tensors back, strictly (a refusal naming the folder otherwise)."""
         raise NotImplementedError
 
-    def resume_lr(self, cfg) -> float | None:
-        """On resume without a schedule: the learning rate is --lr from here on; returns the one
-        the checkpoint held (None where a schedule goes on from the saved step)."""
+    def resume_lr(self, spec) -> float | None:
+        """On resume without a schedule: the learning rate is the spec's from here on; returns
+        the one the checkpoint held (None where a schedule goes on from the saved step)."""
         return None
 
     def report(self) -> dict:

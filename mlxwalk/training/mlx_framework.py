@@ -1,17 +1,15 @@
-"""MLX's mechanics for the training loop (run.py): an mlx-lm model with mlx-lm's LoRA layers, the
-walks of mlxwalk/walk, MLX's optimizers and schedules, its distributed group (ranks.py), its
-safetensors checkpoints."""
+"""MLX's mechanics for the training loop (run.py) and its step (step.py): an mlx-lm model with
+mlx-lm's LoRA layers, the walks of mlxwalk/walk, MLX's optimizer as optimizer_spec.py describes
+it, its distributed group (ranks.py), its safetensors checkpoints."""
 
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.optimizers as optim
-import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from ..errors import FolderError
@@ -25,18 +23,13 @@ from ..walk import (
     train_window,
     window_loss,
 )
-from ..walk.guards import NonFinite
 from ..walk.store import check_cache_type
 from . import adapters, models
 from .files import load_safetensors, save_safetensors
-from .framework import Admission, Framework, Loaded, Stepped
+from .framework import Admission, Framework, Loaded
 from .optimizer_spec import OptimizerSpec
-from .ranks import Ranks, StepSum, reduce_step, weighs
-
-
-def make_optimizer(cfg, steps: int):
-    """The run's optimizer over `steps` updates (training/optimizer_spec.py)."""
-    return build_optimizer(OptimizerSpec.of(cfg, steps))
+from .ranks import Ranks
+from .step import Stepped
 
 
 def build_optimizer(spec: OptimizerSpec):
@@ -113,14 +106,7 @@ def fits_machine(model, layout, walk, cfg) -> None:
 class MLXFramework(Framework):
     name = "mlx"
     adapter_files = ("adapters.safetensors", "adapter_config.json")
-
-    @staticmethod
-    def ranks_class():
-        return Ranks
-
-    def __init__(self, ranks: Ranks | None = None):
-        self.ranks = ranks or Ranks(None)
-        self.nan: NonFinite | None = None  # what this rank's non-finite window said
+    ranks_kind = Ranks
 
     @classmethod
     def around(cls, model, optimizer, ranks: Ranks) -> MLXFramework:
@@ -143,10 +129,10 @@ class MLXFramework(Framework):
             tokenizer, self.layout.vocab, limit, fingerprint, path, self.layout.model_type
         )
 
-    def adapt(self, cfg, steps: int) -> None:
+    def adapt(self, cfg, spec: OptimizerSpec) -> None:
         mx.random.seed(cfg.seed)
         adapters.apply(self.model, cfg.lora())
-        self.optimizer = make_optimizer(cfg, steps)
+        self.optimizer = build_optimizer(spec)
         self.optimizer.init(self.model.trainable_parameters())
 
     def budget(self, cfg, echo):
@@ -186,21 +172,6 @@ class MLXFramework(Framework):
     def peak(self) -> int:
         return mx.get_peak_memory()
 
-    def step(self, examples: list, cfg, seed: int, on_chunk, error=None) -> Stepped:
-        """(`error`: this rank failed before its walk; every rank stops with it.)"""
-        part, walked_error = self.walk_share(examples, cfg, seed, on_chunk)
-        error = error or walked_error
-        walked = time.perf_counter()
-        step = reduce_step(self.ranks, part, error)
-        reduced = time.perf_counter() - walked
-        if not step.finite:
-            error, self.nan = self.nan or error, None
-            error = error or NonFinite("a NaN or infinite loss or gradient")
-            return Stepped(step.losses, step.horizons, False, error, reduced)
-        apply_step(self.model, self.optimizer, step.grads, cfg.grad_clip)
-        mx.eval(self.model.parameters(), self.optimizer.state)
-        return Stepped(step.losses, step.horizons, reduce_seconds=reduced, weights=step.weights)
-
     def step_window(self, window, cfg: WindowStep, seed: int, error=None) -> Stepped:
         """One window (this rank's; None where it failed before, with `error`) stepped as the
         loop steps: the plain walk alone, the exact walk's gradient combined over the ranks."""
@@ -208,62 +179,43 @@ class MLXFramework(Framework):
             return self.step_plain(window, cfg, seed, None)
         slots = [None] * self.ranks.size
         slots[self.ranks.rank] = window
-        return self.step(slots, cfg, seed - self.ranks.rank, None, error)
+        return self.step(slots, cfg, seed - self.ranks.rank, None, error=error)
 
-    def walk_share(self, examples: list, cfg, seed: int, on_chunk):
-        """This rank's windows of the step: their gradients, each weighted by its labelled
-        weight when the step combines windows. A failure is kept for the step's reduction (one
-        process: raised at once); a non-finite window marks the step."""
-        slots = len(examples)
-        combine = weighs(slots, self.ranks.size)
-        part = StepSum(
-            tree_map(mx.zeros_like, self.model.trainable_parameters()),
-            *(np.zeros(slots, np.float32) for _ in range(3)),
+    def zeros(self) -> dict:
+        return tree_map(mx.zeros_like, self.model.trainable_parameters())
+
+    def gradient(self, window, cfg, seed: int, on_chunk) -> tuple[float, dict, int]:
+        window = Window.of(window.inputs, window.targets, window.weights)
+        walk, grads = exact_gradient(
+            self.model, window, cfg.walk_config(seed=seed), on_chunk, self.layout
         )
-        error = None
-        for i in self.ranks.mine(list(range(slots)), cfg.windows_per_step):
-            ex = examples[i]
-            if ex is None:  # (this rank failed before its walk)
-                continue
-            window = Window.of(ex.inputs, ex.targets, ex.weights)
-            try:
-                walk, grads = exact_gradient(
-                    self.model, window, cfg.walk_config(seed=seed + i), on_chunk, self.layout
-                )
-            except NonFinite as e:
-                part.finite, error, self.nan = False, None, e
-                continue
-            except Exception as e:
-                if self.ranks.size == 1:
-                    raise
-                error = e
-                break
-            w = float(window.total) if combine else 1.0
-            part.grads = tree_map(lambda a, g, w=w: a + g * w, part.grads, grads)
-            used = getattr(walk, "horizon_used", cfg.horizon)
-            part.losses[i], part.weights[i] = walk.loss, window.total
-            part.horizons[i] = used if used != cfg.horizon else 0
-            mx.eval(part.grads)
-        return part, error
+        return walk.loss, grads, getattr(walk, "horizon_used", cfg.horizon)
 
-    def step_plain(self, example, cfg, seed: int, on_chunk) -> Stepped:
-        window = Window.of(example.inputs, example.targets, example.weights)
-        try:
-            walk = train_window(
-                self.model,
-                self.optimizer,
-                window,
-                cfg.walk_config(seed=seed),
-                cfg.walk,
-                on_chunk=on_chunk,
-                layout=self.layout,
-                clip=cfg.grad_clip,
-            )
-        except NonFinite as e:
-            return Stepped(np.zeros(1), np.zeros(1), False, e)
-        used = getattr(walk, "horizon_used", cfg.horizon)
-        horizon = np.array([used if used != cfg.horizon else 0])
-        return Stepped(np.array([walk.loss]), horizon, weights=np.array([window.total]))
+    def accumulate(self, acc: dict, grads: dict, scale: float) -> dict:
+        acc = tree_map(lambda a, g: a + g * scale, acc, grads)
+        mx.eval(acc)
+        return acc
+
+    def apply(self, grads: dict, whole: float | None, clip: float | None) -> None:
+        if whole is not None:  # (the reduction's sums are float32)
+            params = self.model.trainable_parameters()
+            grads = tree_map(lambda g, p: (g / whole).astype(p.dtype), grads, params)
+        apply_step(self.model, self.optimizer, grads, clip)
+        mx.eval(self.model.parameters(), self.optimizer.state)
+
+    def walk_plain(self, window, cfg, seed: int, on_chunk) -> tuple[float, int]:
+        window = Window.of(window.inputs, window.targets, window.weights)
+        walk = train_window(
+            self.model,
+            self.optimizer,
+            window,
+            cfg.walk_config(seed=seed),
+            "plain",
+            on_chunk=on_chunk,
+            layout=self.layout,
+            clip=cfg.grad_clip,
+        )
+        return walk.loss, getattr(walk, "horizon_used", cfg.horizon)
 
     def window_loss(self, example, cfg) -> float:
         window = Window.of(example.inputs, example.targets, example.weights)
@@ -292,10 +244,10 @@ class MLXFramework(Framework):
         self.optimizer.state = tree_unflatten(list(moments.items()))
         mx.eval(self.model.parameters(), self.optimizer.state)
 
-    def resume_lr(self, cfg) -> float | None:
+    def resume_lr(self, spec: OptimizerSpec) -> float | None:
         """The checkpoint's state holds the learning rate it trained with: --lr from here on."""
-        if cfg.lr_schedule or cfg.warmup:  # the schedule goes on from the saved step
+        if spec.scheduled:  # the schedule goes on from the saved step
             return None
         was = float(self.optimizer.learning_rate)
-        self.optimizer.learning_rate = cfg.lr
-        return None if math.isclose(was, cfg.lr, rel_tol=1e-6) else was
+        self.optimizer.learning_rate = spec.lr
+        return None if math.isclose(was, spec.lr, rel_tol=1e-6) else was

@@ -1,14 +1,7 @@
 """Several processes training one adapter (under `mlx.launch`): MLX's distributed group, the
-windows each rank walks, and each step's one reduction.
-
-A step covers `windows_per_step` windows per rank, taken in the epoch's order: rank r walks
-positions [r * k, (r + 1) * k) of the step's slice. The step's gradient is the gradient of the
-mean loss over every labelled position of the step's windows, the same one process computes on
-those windows: each window's gradient (of its own mean) weighted by its labelled weight, summed
-over the windows and the ranks, divided by the summed weight. Everything a step needs from the
-other ranks travels in one `all_sum` of one float32 vector: the weighted gradient, each window's
-loss and weight by its slot, a non-finite flag, and a failure flag per rank. A failure's words
-travel only when a rank failed, in a second `all_sum` of bytes.
+windows each rank walks, its failures said by every rank, and the sum that carries a step.
+What a step reduces, and how, is step.py's, for both frameworks; `Ranks.reduce` is MLX's way of
+summing it (torch_backend/ranks.py has torch's).
 """
 
 from __future__ import annotations
@@ -81,6 +74,19 @@ class Ranks:
         self.agree(error)
         return made
 
+    def reduce(self, head: np.ndarray, grads: dict) -> tuple[np.ndarray, dict]:
+        """A step's head (step.Layout) and gradient summed over the ranks in one all_sum of one
+        float32 vector; the gradient comes back in float32."""
+        flat = tree_flatten(grads)
+        pieces = [mx.array(head)] + [v.astype(mx.float32).reshape(-1) for _, v in flat]
+        total = self.all_sum(mx.concatenate(pieces))  # (len(head) + parameters,)
+        mx.eval(total)
+        summed, at = [], len(head)
+        for name, v in flat:
+            summed.append((name, total[at : at + v.size].reshape(v.shape)))
+            at += v.size
+        return np.array(total[: len(head)]), tree_unflatten(summed)
+
     def _raise(self, first: int, error: BaseException | None) -> None:
         words = np.zeros((self.size, MESSAGE_BYTES), np.int32)
         if error is not None:
@@ -105,63 +111,4 @@ class Ranks:
             time.sleep(LEADER_FIRST_S)
 
 
-@dataclass
-class StepSum:
-    """One rank's part of a step, per slot (the step's windows in order; zeros in the slots of
-    other ranks): each window's loss, labelled weight and the horizon it used (0: as asked),
-    and the sum of its windows' gradients, each weighted by its window's weight (zeros when
-    it has none, so every rank sends the same shapes)."""
-
-    grads: dict
-    losses: np.ndarray  # (slots,)
-    weights: np.ndarray  # (slots,)
-    horizons: np.ndarray  # (slots,)
-    finite: bool = True
-
-
-@dataclass
-class Step:
-    grads: dict  # the gradient of the mean loss over the step's labelled positions
-    losses: np.ndarray  # (slots,) each window's loss
-    weights: np.ndarray  # (slots,)
-    horizons: np.ndarray  # (slots,) narrowed horizons, 0 where none was
-    finite: bool
-
-
-def weighs(slots: int, size: int) -> bool:
-    """Whether a step combines windows (else its one window's gradient is taken as it is)."""
-    return slots > 1 or size > 1
-
-
-def reduce_step(ranks: Ranks, part: StepSum, error: BaseException | None) -> Step:
-    """The step from every rank's part, in one all_sum; a rank's `error` stops every rank."""
-    slots = len(part.losses)
-    if not weighs(slots, ranks.size):
-        if error is not None:
-            raise error
-        finite = part.finite and bool(np.isfinite(part.losses).all())
-        return Step(part.grads, part.losses, part.weights, part.horizons, finite)
-    flat = tree_flatten(part.grads)
-    head = np.zeros(3 * slots + 1 + ranks.size, np.float32)
-    head[:slots] = part.losses * part.weights
-    head[slots : 2 * slots], head[2 * slots : 3 * slots] = part.weights, part.horizons
-    head[3 * slots] = not part.finite
-    head[3 * slots + 1 + ranks.rank] = error is not None
-    pieces = [mx.array(head)] + [v.astype(mx.float32).reshape(-1) for _, v in flat]
-    total = ranks.all_sum(mx.concatenate(pieces))
-    mx.eval(total)
-    head = np.array(total[: len(head)])
-    failed = head[3 * slots + 1 :]
-    if failed.any():
-        ranks._raise(int(np.flatnonzero(failed)[0]), error)
-    weights = head[slots : 2 * slots]
-    losses = np.divide(head[:slots], weights, out=np.zeros(slots, np.float32), where=weights > 0)
-    finite = head[3 * slots] == 0 and bool(np.isfinite(head[:slots]).all())
-    whole, grads, at = float(weights.sum()), [], len(head)
-    for name, v in flat:
-        grads.append((name, (total[at : at + v.size].reshape(v.shape) / whole).astype(v.dtype)))
-        at += v.size
-    return Step(tree_unflatten(grads), losses, weights, head[2 * slots : 3 * slots], finite)
-
-
-__all__ = ["RankFailed", "Ranks", "Step", "StepSum", "reduce_step", "weighs"]
+__all__ = ["RankFailed", "Ranks"]

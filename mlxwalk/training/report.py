@@ -1,14 +1,53 @@
-"""What a run shows and leaves behind: a progress bar per window, the epoch table, and a JSON
-report with a loss-curve PNG beside it (each written to a temporary file, then renamed)."""
+"""What a run shows and leaves behind: its first lines, a progress bar per window, the epoch
+lines and table, and a JSON report (`summary`) with a loss-curve PNG beside it (each written to a
+temporary file, then renamed)."""
 
 from __future__ import annotations
 
 import io
 import json
 import sys
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from ..plan import MIB
 from .files import atomic_write
+
+
+@dataclass
+class Epoch:
+    epoch: int
+    train_loss: float
+    eval_loss: float | None
+    seconds: float
+    train_tok_s: float
+    windows: int = 0
+    partial: bool = False  # stopped by --iters before the epoch's end
+    windows_narrowed: int = 0  # windows whose horizon the memory budget narrowed (not exact)
+    smallest_horizon: int | None = None  # the narrowest horizon one of them used
+
+
+def opening(run) -> list[str]:
+    """A run's (run.Run's) first lines: the model, the windows, where it writes; the memory."""
+    cfg, admitted, windows = run.cfg, run.setup.admission, run.setup.windows
+    lines = [
+        f"model {cfg.model} ({run.setup.loaded.described}), {len(run.train_set.examples)} "
+        f"training and {len(run.valid_set.examples)} validation windows of up to "
+        f"{windows.window} tokens, chunk {cfg.chunk}, {cfg.walk} walk; adapter and report go to "
+        f"{run.out}"
+    ]
+    if admitted is not None and admitted.total is not None:
+        lines.append(
+            f"memory estimate: {admitted.total / MIB:.1f} MiB (graph {admitted.graph / MIB:.1f}, "
+            f"K/V store {admitted.store / MIB:.1f}, host {admitted.plan.host_bytes / MIB:.1f})"
+        )
+    elif admitted is not None:
+        lines.append(
+            f"memory: K/V store {admitted.store / MIB:.1f} MiB, accumulators and checkpoints "
+            f"{admitted.plan.host_bytes / MIB:.1f} MiB, beside the weights and one chunk's graph "
+            "(mlxwalk plan estimates it all)"
+        )
+    return lines
 
 
 class Progress:
@@ -157,6 +196,49 @@ def plot(epochs: list[dict], file, window_losses=None, evals_between=None) -> No
     fig.tight_layout()
     fig.savefig(file, format="png")
     plt.close(fig)
+
+
+def summary(run) -> dict:
+    """report.json's contents for a run (run.Run) that has ended its loop."""
+    cfg, admitted, position, watch = run.cfg, run.setup.admission, run.position, run.watch
+    train, windows = run.train_set, run.setup.windows
+    epochs = position.epochs + ([asdict(run.partial)] if run.partial else [])
+    return {
+        "model": cfg.model,
+        "adapter_path": str(run.out),
+        "walk": cfg.walk,
+        "window": windows.window,
+        "window_asked": windows.window_asked,
+        "chunk": cfg.chunk,
+        "horizon": cfg.horizon,
+        "horizon_used": watch.horizon_used,
+        "windows_narrowed": watch.narrowed,
+        "memory_estimate_mib": mib_or_none(admitted.total) if admitted else None,
+        "host_mib": round(admitted.plan.host_bytes / MIB, 2) if admitted else 0.0,
+        "graph_mib": mib_or_none(admitted.graph) if admitted else None,
+        "peak_mib": round(run.peak / MIB, 2),
+        "windows_over_budget": watch.over_budget,
+        "diverged_at_window": watch.collapsed,
+        "windows_skipped_non_finite": position.skipped,
+        "examples": len(train.examples),
+        "examples_skipped": train.skipped,
+        "examples_truncated": train.truncated,
+        "examples_cut_away": train.cut_away,
+        "trainable_tokens": train.trainable_tokens,
+        "windows": position.windows,
+        "window_losses": position.losses,
+        "evals_between": position.evals,  # [window, eval loss] for --steps-per-eval
+        "epochs": epochs,
+        "config": {f.name: getattr(cfg, f.name) for f in fields(cfg)},
+        "ranks": run.ranks.size,
+        "reduce_seconds": round(run.reduce_seconds, 4),
+        "backend": run.fw.name,
+        **run.fw.report(),
+    }
+
+
+def mib_or_none(n: int | None) -> float | None:
+    return None if n is None else round(n / MIB, 2)
 
 
 def write(folder: Path, summary: dict) -> None:

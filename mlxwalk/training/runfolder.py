@@ -5,8 +5,9 @@ the walk, the optimizer, the data's fingerprint and the options that order and c
 first window. A fresh run refuses a folder that holds another run unless told to `--overwrite` it;
 `--resume` continues only a run whose identity matches, from that run's own checkpoints, and
 loads them strictly. Checkpoints are complete folders renamed into place (`window-NNNNNNN`).
-Before any of it, the folder is refused if it can't be written (`writable`, `try_write`) or is
-the model's or the data's (`refuse_overlap`).
+Before any of it, before anything is loaded, the folder is opened (`open_folder`): refused if it
+can't be written (`writable`, `try_write`) or is the model's or the data's (`refuse_overlap`),
+then made, locked and claimed; the run holds it until it ends (`RunFolder.release`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import hashlib
 import json
 import os
 import shutil
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
@@ -22,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import FolderError
-from .files import TMP_MARK, sweep, write_text
+from .files import TMP_MARK, FolderLock, NewFolder, sweep, write_text
 
 if TYPE_CHECKING:
     from .framework import Framework
@@ -86,10 +88,13 @@ def files_digest(paths: list[Path]) -> str:
     return h.hexdigest()[:16]
 
 
-def identity(cfg, model_path: str, fingerprint: str, data_files: list[Path], window: int) -> dict:
+def identity(cfg, loaded, data_folder: Path, window: int, backend: str, ranks: int) -> dict:
+    """What must match for --resume (`mismatch`): of the run's settings, its model (`loaded`:
+    framework.Loaded), its data and its processes."""
     lora = cfg.lora()
+    data_files = [data_folder / "train.jsonl", data_folder / "valid.jsonl"]
     return {
-        "model": {"path": model_path, "fingerprint": fingerprint},
+        "model": {"path": str(loaded.path), "fingerprint": loaded.fingerprint},
         "lora": {
             "rank": lora.rank,
             "scale": lora.scale,
@@ -109,6 +114,9 @@ def identity(cfg, model_path: str, fingerprint: str, data_files: list[Path], win
             "chunk": cfg.chunk,  # (the window is rounded up to it when --window is not given)
             "window_given": cfg.window is not None,
         },
+        "backend": backend,
+        "ranks": ranks,
+        "windows_per_step": cfg.windows_per_step,
     }
 
 
@@ -167,6 +175,23 @@ class RunFolder:
         self.folder = Path(folder)
         self.checkpoints = self.folder / CHECKPOINTS
         self.run_id: str | None = None
+        self.made, self.lock = NewFolder(self.folder), FolderLock(self.folder)
+
+    def release(self, keep: bool) -> None:
+        """The lock dropped at the run's end; unless `keep`, the folders the run made removed as
+        long as they hold nothing."""
+        self.lock.release()
+        if not keep:
+            self.made.discard()
+
+    def begin(self, ident: dict, overwrite: bool, resumed: bool) -> None:
+        """The run starts here: a killed writer's leftovers swept, a run to --overwrite set
+        aside, a fresh run's identity written."""
+        sweep(self.folder)
+        if overwrite:
+            self.set_aside()
+        if not resumed:
+            self.start(ident)
 
     def held(self) -> list[str]:
         """What of another run this folder holds (empty: the folder is free)."""
@@ -254,6 +279,32 @@ class RunFolder:
         if problem:
             raise FolderError(f"--resume: {problem}; start a new run or match it")
 
+    def resume(self, ident: dict, read_state, epochs: int, total: int) -> tuple[Path, Position]:
+        """Adopt this folder's run (`check_resume`) and load its newest checkpoint strictly,
+        refused when that run already trained what this one asks for (`epochs`, `total`
+        windows)."""
+        self.check_resume(ident)
+        last, p = self.load(read_state)
+        if (p.epoch >= epochs or p.windows >= total) and self.reported(p.windows):
+            done = (
+                f"its {p.epoch} epoch(s)"
+                if p.epoch >= epochs
+                else f"the {p.windows} windows --iters asks for"
+            )
+            raise FolderError(
+                f"--resume: the run in {self.folder} has already trained {done}; raise "
+                "--epochs or --iters to train on"
+            )
+        return last, p
+
+    def reported(self, windows: int) -> bool:
+        """Whether the run finished: its report counts these windows (a run stopped before its
+        report, at its last window, resumes to close its epoch and write it)."""
+        try:
+            return json.loads((self.folder / "report.json").read_text())["windows"] == windows
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
+
     # --- checkpoints ------------------------------------------------------------------------------
 
     def complete(self) -> list[Path]:
@@ -308,6 +359,30 @@ class RunFolder:
         read_state(last)
         known = {f.name for f in fields(Position)}
         return last, Position(**{k: v for k, v in state.items() if k in known})
+
+
+def open_folder(cfg, fw: Framework, model_folder: Path, data_folder: Path) -> RunFolder:
+    """The run's folder, opened before anything is loaded: refused if it can't be written or is
+    the model's or the data's; made, locked and claimed by the rank that writes (a refusal
+    there leaves it as it was)."""
+    out = writable(Path(cfg.adapter_path or default_path(cfg.model)))
+    refuse_overlap(out, model_folder, data_folder)
+    folder = RunFolder(out)
+    if fw.ranks.leader:  # the folder is this run's from here until it ends
+        folder.made.make()
+        folder.lock.acquire()
+        try:
+            folder.claim(cfg.overwrite, cfg.resume)
+            try_write(out, fw)
+        except BaseException:
+            folder.release(keep=False)
+            raise
+    return folder
+
+
+def default_path(model: str) -> Path:
+    name = Path(model).name or model.replace("/", "-")
+    return Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def writable(folder: Path) -> Path:

@@ -1,6 +1,7 @@
 """A run's data folder as its windows: train.jsonl (and valid.jsonl, or a held-out share of the
 training examples), the window size (the longest example rounded up to the chunk, unless given,
-within the model's positions), every example fitted to it; every skip and cut announced."""
+within the model's positions), every example fitted to it, every skip and cut announced; and how
+many windows and optimizer steps the run takes over them."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import DataError
+from ..errors import ConfigError, DataError
 from . import data
 
 
@@ -20,9 +21,16 @@ class Windows:
     valid: data.Dataset
     window: int  # positions per window
     window_asked: int  # what --window (or the longest example) asked for
+    total: int = 0  # windows the run trains, over --iters or every epoch
+    steps: int = 0  # optimizer steps it takes over them (the schedule's length)
 
 
-def load(cfg, folder: Path, tokenizer, vocab: int, limit: int | None, echo) -> Windows:
+def load(cfg, folder: Path, loaded, ranks: int, echo) -> Windows:
+    """`folder`'s windows for a model (`loaded`: its tokenizer, vocabulary and positions), its
+    steps counted for `ranks` processes."""
+    tokenizer, vocab, limit = loaded.tokenizer, loaded.vocab, loaded.limit
+    if cfg.window is not None and limit is not None and cfg.window > limit:
+        raise ConfigError(f"--window {cfg.window} exceeds the model's maximum positions ({limit})")
     whole = data.load(folder, "train", tokenizer, None, mask_prompt=cfg.mask_prompt)
     if not whole.examples:
         raise DataError(
@@ -55,7 +63,26 @@ def load(cfg, folder: Path, tokenizer, vocab: int, limit: int | None, echo) -> W
     announce(train, "training", window, cfg.fit, echo)
     if valid.source:
         announce(valid, "validation", window, cfg.fit, echo)
-    return Windows(train, valid, window, cfg.window or longest)
+    every = cfg.epochs * len(train.examples)
+    total = every if cfg.iters is None else min(cfg.iters, every)
+    return Windows(train, valid, window, cfg.window or longest, total, steps(cfg, train, ranks))
+
+
+def steps(cfg, train: data.Dataset, ranks: int) -> int:
+    """The optimizer steps a run takes: one per `windows_per_step x ranks` windows (the exact
+    walk), or each labelled chunk's (the plain walk), over --iters or every epoch."""
+    examples = train.examples
+    if cfg.walk == "exact":
+        per_step = cfg.windows_per_step * ranks
+        per_epoch = math.ceil(len(examples) / per_step)
+        if cfg.iters is None:
+            return cfg.epochs * per_epoch
+        return min(cfg.epochs * per_epoch, math.ceil(cfg.iters / per_step))
+    per = [max(1, len({int(i) // cfg.chunk for i in np.flatnonzero(e.weights)})) for e in examples]
+    every = cfg.epochs * sum(per)
+    if cfg.iters is None:
+        return every
+    return min(every, round(cfg.iters * sum(per) / len(per)))
 
 
 def announce(ds: data.Dataset, what: str, window: int, fit: str, echo) -> None:

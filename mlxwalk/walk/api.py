@@ -15,12 +15,13 @@ from ..errors import ConfigError
 from ..ops.delta import fast_recurrence
 from ..ops.products import dequantized_products
 from ..plan import cut
-from .config import WALKS, WalkConfig, Window
+from .config import WALKS, WalkConfig
 from .exact import ExactWalk
 from .guards import NonFinite, check_finite  # noqa: F401  (NonFinite: raised from here)
 from .loss import weighted_loss
 from .plain import PlainWalk
-from .runner import ChunkRunner, walking
+from .runner import ChunkRunner, walking, window_arrays
+from .window import Window
 
 
 @first_use
@@ -30,7 +31,7 @@ def window_loss(model: nn.Module, window: Window, config: WalkConfig, layout=Non
     chunks = cut(window.labels, runner.config.chunk, runner.config.follow_runs)
     losses: list = []
     with walking(model, runner.config.products):
-        runner._new_store(chunks[-1].end)
+        runner.new_store(chunks[-1].end)
         state = runner.zero_state()
         for chunk in chunks:
             state = runner.decode(chunk, state, losses=losses)
@@ -41,7 +42,7 @@ def window_loss(model: nn.Module, window: Window, config: WalkConfig, layout=Non
 def one_graph(model: nn.Module, window: Window, products: str = "auto") -> tuple[mx.array, dict]:
     """The reference: the whole window as one graph, no cache, its quantized products as the
     walk's (ops.products)."""
-    x, y, w = window.arrays(0, len(window))
+    x, y, w = window_arrays(window, 0, len(window))
 
     def objective(params):
         model.update(params)

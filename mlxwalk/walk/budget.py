@@ -20,21 +20,9 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from ..plan import MIB, Footprint, OutOfMemory, mib
+from ..plan import MIB, OutOfMemory, memory_lines, mib, model_rows
 from . import store as kvstore
-
-
-@dataclass(frozen=True)
-class Activations:
-    """One chunk's graph, measured at the run's chunk size: with no prefix, and what each prefix
-    position adds, tapped and untapped, in units of that position's K/V at float32. (Attention
-    that is not tiled, such as MLX's unfused backward on CUDA at head dimension 256, holds chunk
-    x prefix scores whether or not the prefix is tapped: a narrower horizon doesn't shrink it.)"""
-
-    chunk: int
-    graph: float
-    tap_factor: float
-    prefix_factor: float = 0.0
+from .activations import Activations, graph_bytes
 
 
 @dataclass(frozen=True)
@@ -62,24 +50,17 @@ class Estimate:
         return self.weights + self.adapter + self.resident + self.device + self.host
 
     def lines(self) -> list[str]:
-        return [
-            f"  weights            {mib(self.weights):>12}",
-            f"  adapter + state    {mib(self.adapter):>12}",
-            *([f"  other arrays       {mib(self.resident):>12}"] if self.resident else []),
-            f"  device: graph      {mib(self.graph):>12}   (one chunk, at the last chunk's taps)",
-            f"  device: K/V store  {mib(self.store):>12}",
-            *(
-                [
-                    f"  device: inputs     {mib(self.inputs):>12}   (layer inputs kept from the "
-                    "decode)"
-                ]
-                if self.inputs
-                else []
-            ),
-            f"  host: accumulators {mib(self.accumulators):>12}",
-            f"  host: checkpoints  {mib(self.checkpoints):>12}",
-            f"  total              {mib(self.total):>12}",
+        inputs = [("device: inputs", self.inputs, "layer inputs kept from the decode")]
+        rows = [
+            *model_rows(self, "other arrays"),
+            ("device: graph", self.graph, "one chunk, at the last chunk's taps"),
+            ("device: K/V store", self.store, ""),
+            *(inputs if self.inputs else []),
+            ("host: accumulators", self.accumulators, ""),
+            ("host: checkpoints", self.checkpoints, ""),
+            ("total", self.total, ""),
         ]
+        return memory_lines(rows, 19)
 
 
 def nbytes(tree) -> int:
@@ -93,13 +74,6 @@ def store_bytes(layout, positions: int, cache_type: str) -> int:
             for h, dk, dv in layout.kv_shapes
         )
     )
-
-
-def graph_bytes(acts: Activations, footprint: Footprint, taps: int, prefix: int = 0) -> int:
-    """One chunk's graph after `prefix` positions, `taps` of them tapped: linear in both (a tiled
-    attention's tile is bounded; the taps' gradient and an unfused attention's scores are not)."""
-    width = footprint.kv_width * 4
-    return int(acts.graph + (acts.tap_factor * taps + acts.prefix_factor * prefix) * width)
 
 
 def estimate(
@@ -187,6 +161,7 @@ __all__ = [
     "MIB",
     "admit",
     "estimate",
+    "graph_bytes",
     "live_peak",
     "what_fits",
 ]

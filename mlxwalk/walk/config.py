@@ -1,20 +1,20 @@
-"""A walk's settings and its window: plain values, checked before any array of the window."""
+"""A walk's settings: plain values, checked before any array of the window (the window itself:
+window.py)."""
 
 from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
-from functools import cached_property
+from dataclasses import dataclass, fields
 
-import mlx.core as mx
 import numpy as np
 
-from ..errors import ConfigError, DataError
+from ..errors import ConfigError
 from ..ops.products import HEAD_PRODUCTS, PRODUCTS
-from ..plan import MIB, Labels
+from ..plan import MIB
 from .accum import ACCUMULATOR_DTYPES
 from .store import check_cache_type
+from .window import Window  # noqa: F401  (re-exported)
 
 WALKS = ("exact", "plain", "one-graph")
 ATTENTIONS = ("auto", "tiled", "fused")
@@ -53,6 +53,13 @@ class WalkConfig:
     # graph is one layer's at the run's width), else one chunk at a time
     decode_run: int | None = None
 
+    @classmethod
+    def from_fields(cls, source, **overrides) -> WalkConfig:
+        """A config of `source`'s attributes named as its fields (a run's settings, a command's
+        arguments), then `overrides`; unchecked."""
+        given = {f.name: getattr(source, f.name) for f in fields(cls) if hasattr(source, f.name)}
+        return cls(**{**given, **overrides})
+
     def check(self) -> WalkConfig:
         for name in ("chunk", "horizon", "decode_run"):
             value = getattr(self, name)
@@ -69,15 +76,16 @@ class WalkConfig:
                 f"horizon must be 0 (the whole window) or positive, got {self.horizon}"
             )
         check_cache_type(self.cache_type)
-        if self.attention not in ATTENTIONS:
-            raise ConfigError(
-                f"attention {self.attention!r} is unknown; choose one of {', '.join(ATTENTIONS)}"
-            )
-        if self.keep_inputs not in KEEP_INPUTS:
-            raise ConfigError(
-                f"keep-inputs {self.keep_inputs!r} is unknown; choose one of "
-                f"{', '.join(KEEP_INPUTS)}"
-            )
+        choices = (
+            ("attention", self.attention, ATTENTIONS),
+            ("keep-inputs", self.keep_inputs, KEEP_INPUTS),
+            ("products", self.products, PRODUCTS),
+            ("head products", self.head_products, HEAD_PRODUCTS),
+            ("accumulator dtype", self.accumulator_dtype, ACCUMULATOR_DTYPES),
+        )
+        for what, value, known in choices:
+            if value not in known:
+                raise ConfigError(f"{what} {value!r} is unknown; choose one of {', '.join(known)}")
         if self.keep_inputs == "on" and not self.recompute:
             raise ConfigError(
                 "--keep-inputs on: kept layer inputs serve --recompute's reverse "
@@ -85,20 +93,6 @@ class WalkConfig:
             )
         if self.decode_run is not None and self.decode_run < 0:
             raise ConfigError(f"decode run must be 0 or positive, got {self.decode_run}")
-        if self.products not in PRODUCTS:
-            raise ConfigError(
-                f"products {self.products!r} is unknown; choose one of {', '.join(PRODUCTS)}"
-            )
-        if self.head_products not in HEAD_PRODUCTS:
-            raise ConfigError(
-                f"head products {self.head_products!r} is unknown; choose one of "
-                f"{', '.join(HEAD_PRODUCTS)}"
-            )
-        if self.accumulator_dtype not in ACCUMULATOR_DTYPES:
-            raise ConfigError(
-                f"accumulator dtype {self.accumulator_dtype!r} is unknown; "
-                f"choose one of {', '.join(ACCUMULATOR_DTYPES)}"
-            )
         return self
 
     @property
@@ -110,92 +104,9 @@ class WalkConfig:
         return None if self.memory_budget_mib is None else int(self.memory_budget_mib * MIB)
 
 
-@dataclass(frozen=True)
-class Window:
-    inputs: np.ndarray  # int, length n
-    targets: np.ndarray  # int, length n
-    weights: np.ndarray  # float, length n; 0 = context
-
-    @classmethod
-    def of(cls, inputs, targets, weights) -> Window:
-        """One window from three sequences of equal length (or rows of one), refusing what the
-        walk would get wrong: ids that are not integers or not int32, a batch of several rows,
-        negative or non-finite weights, nothing labelled."""
-        x, y = _ids("input", inputs), _ids("target", targets)
-        w = _row("weights", np.asarray(weights))
-        if not np.issubdtype(w.dtype, np.number) or np.issubdtype(w.dtype, np.complexfloating):
-            raise DataError(f"weights must be real numbers, got {w.dtype}")
-        w = w.astype(np.float32)
-        if not (len(x) == len(y) == len(w)):
-            raise DataError(
-                f"inputs, targets and weights differ in length ({len(x)}, {len(y)}, {len(w)})"
-            )
-        if not np.isfinite(w).all():
-            raise DataError("weights must be finite (a NaN or infinite weight makes the loss NaN)")
-        if (w < 0).any():
-            raise DataError("weights must not be negative")
-        if not (w > 0).any():
-            raise DataError("the window has no labelled position (every weight is 0)")
-        return cls(x, y, w)
-
-    @classmethod
-    def labelled(cls, length: int) -> Window:
-        """A window of `length` positions, every one labelled, that holds no array of its length
-        (broadcast views): what `mlxwalk plan` and the budget's admission plan for."""
-        ids = np.broadcast_to(np.zeros((), np.int32), (length,))
-        window = cls(ids, ids, np.broadcast_to(np.ones((), np.float32), (length,)))
-        window.__dict__["labels"] = Labels.labelled(length)
-        return window
-
-    @cached_property
-    def labels(self) -> Labels:
-        """The weights as runs (the plan reads these, never a value per position)."""
-        w = self.weights
-        cuts = (np.flatnonzero(w[1:] != w[:-1]) + 1).tolist()
-        bounds = [0, *cuts, len(w)]
-        return Labels(len(w), tuple((a, b, float(w[a])) for a, b in zip(bounds, bounds[1:])))
-
-    def __len__(self) -> int:
-        return len(self.inputs)
-
-    @property
-    def total(self) -> float:
-        return float(self.weights.sum())
-
-    def arrays(self, start: int, end: int) -> tuple[mx.array, mx.array, mx.array]:
-        return (
-            mx.array(self.inputs[start:end])[None],
-            mx.array(self.targets[start:end])[None],
-            mx.array(self.weights[start:end])[None],
-        )
-
-
 def _integer(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
 def _real(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
-
-
-def _row(name: str, values: np.ndarray) -> np.ndarray:
-    """A window's sequence as one row: 1-D, or a batch of exactly one row."""
-    if values.ndim == 2 and values.shape[0] == 1:
-        return values[0]
-    if values.ndim != 1:
-        raise DataError(
-            f"{name} must be one window (1-D, or one row), got shape {tuple(values.shape)}; "
-            "walk a batch's rows as windows of their own"
-        )
-    return values
-
-
-def _ids(name: str, values) -> np.ndarray:
-    """Token ids as int32, refused (as given) when not integers or beyond any vocabulary."""
-    ids = _row(f"{name}s", np.asarray(values))
-    if ids.size and not np.issubdtype(ids.dtype, np.integer):
-        raise DataError(f"{name} token ids must be integers, got {ids.dtype}")
-    if ids.size and (ids.min() < 0 or ids.max() > np.iinfo(np.int32).max):
-        bad = ids[(ids < 0) | (ids > np.iinfo(np.int32).max)][0]
-        raise DataError(f"{name} token id {int(bad)} is outside any vocabulary")
-    return ids.astype(np.int32)

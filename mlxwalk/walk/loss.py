@@ -7,6 +7,7 @@ from mlx import nn
 
 from ..ops import products
 from . import arch
+from .algorithm import loss_blocks
 
 
 def weighted_loss(logits: mx.array, targets: mx.array, weights: mx.array, total: float):
@@ -23,18 +24,13 @@ def weighted_loss(logits: mx.array, targets: mx.array, weights: mx.array, total:
     return (ce * weights).sum() / total
 
 
-LOSS_BLOCK = 1024  # positions whose logits are alive at once in a chunk's graph
-
-
 def head_loss(head: arch.Head, h: mx.array, targets, weights, total: float) -> mx.array:
-    """weighted_loss of the logits `head.project(h)`, LOSS_BLOCK positions at a time, each block
-    checkpointed: the chunk's logits (positions x vocabulary, the largest tensor of a chunk's
-    graph for a large vocabulary) are never all alive, in the forward or in the backward, at
-    the price of one more output projection. A dequantized head is dequantized once for all
-    of them (ops.products.held)."""
+    """weighted_loss of the logits `head.project(h)`, in the blocks of algorithm.loss_blocks,
+    each checkpointed: the chunk's logits are never all alive, in the forward or in the backward.
+    A dequantized head is dequantized once for all of them (ops.products.held)."""
     project = products.held(head.module, head.project)
-    n = h.shape[1]
-    if n <= LOSS_BLOCK:
+    blocks = loss_blocks(h.shape[1])
+    if len(blocks) == 1:
         return weighted_loss(project(h), targets, weights, total)
 
     def block_loss(b: slice) -> mx.array:
@@ -44,4 +40,4 @@ def head_loss(head: arch.Head, h: mx.array, targets, weights, total: float) -> m
 
         return mx.checkpoint(loss)(head.module.trainable_parameters(), h[:, b])
 
-    return sum(block_loss(slice(a, a + LOSS_BLOCK)) for a in range(0, n, LOSS_BLOCK))
+    return sum(block_loss(b) for b in blocks)

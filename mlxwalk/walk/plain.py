@@ -1,48 +1,45 @@
-"""The plain walk: chunk by chunk, the prefix as constants, the chunk's loss only; with a step per
-chunk, the chunk is then re-decoded under the new adapter so later chunks read what it now
-produces."""
+"""The plain walk over one window on MLX: the algorithm is algorithm.py's `PlainAlgorithm`
+(chunk by chunk, the prefix as constants, the chunk's loss only; with a step per chunk, the chunk
+then re-decoded under the new adapter); here are its MLX mechanics."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import mlx.core as mx
+from mlx.utils import tree_map
 
-from ..plan import cut
+from ..plan import Chunk
+from .algorithm import PlainAlgorithm
 from .guards import check_finite
-from .runner import ChunkRunner, walking
+from .runner import ChunkRunner, State, walking
 from .taps import release
 
 
-class PlainWalk(ChunkRunner):
+class PlainWalk(ChunkRunner, PlainAlgorithm):
     """Chunk by chunk; the gradient stops at every chunk boundary."""
+
+    grads: dict | None = None  # the chunks' gradients, summed
 
     def run(self, step: Callable[[dict], None] | None = None) -> tuple[mx.array, dict]:
         """With `step`, one optimizer step per labelled chunk; the result's gradient is the sum of
         the chunks' gradients, each taken at the adapter that chunk saw."""
-        chunks = cut(self.window.labels, self.config.chunk, self.config.follow_runs)
-        loss, grads = mx.array(0.0), None
-        with walking(self.model, self.config.products, self.config.head_products != "quantized"):
-            self._new_store(chunks[-1].end)
-            state = self.zero_state()
-            for chunk in chunks:
-                if chunk.labelled:
-                    caches = self.caches(chunk, state)
-                    chunk_loss, g, _ = self.graph(chunk, caches)
-                    mx.eval(chunk_loss, g)
-                    release(caches)
-                    if step is not None:
-                        check_finite(chunk_loss, g, f"chunk {chunk.index + 1}'s ")
-                        step(g)
-                    loss = loss + chunk_loss
-                    grads = g if grads is None else _tree_add(grads, g)
-                if chunk is not chunks[-1]:  # no later chunk reads the last one's K/V
-                    state = self.decode(chunk, state)
-                self._tick("train", chunk.index + 1, len(chunks))
-        return loss, grads
+        self.grads = None
+        return self.walk(step)
 
+    def walking(self):
+        return walking(self.model, self.config.products, self.config.head_products != "quantized")
 
-def _tree_add(a, b):
-    from mlx.utils import tree_map
+    def train_plain(self, chunk: Chunk, state: State, step) -> mx.array:
+        caches = self.caches(chunk, state)
+        loss, g, _ = self.graph(chunk, caches)
+        mx.eval(loss, g)
+        release(caches)
+        if step is not None:
+            check_finite(loss, g, f"chunk {chunk.index + 1}'s ")
+            step(g)
+        self.grads = g if self.grads is None else tree_map(mx.add, self.grads, g)
+        return loss
 
-    return tree_map(mx.add, a, b)
+    def finish_plain(self, loss) -> tuple[mx.array, dict]:
+        return (mx.array(0.0) if loss is None else loss), self.grads

@@ -17,11 +17,12 @@ from ..ops.products import dequantized_products
 from ..plan import Chunk
 from . import arch, layerwise
 from .accum import Accumulators
-from .config import WalkConfig, Window
+from .config import WalkConfig
 from .guards import check_ids
 from .loss import head_loss, weighted_loss
 from .store import KVStore, check_cache_type
 from .taps import ChunkKV, ChunkState, Layers, layers_of, release, walk_layers
+from .window import Window
 
 log = logging.getLogger("mlxwalk")
 
@@ -32,6 +33,15 @@ def dropout(model: nn.Module) -> float:
     """The largest dropout probability among the model's dropout layers (LoRA's), 0 if none."""
     return max(
         (1.0 - m._p_1 for _, m in model.named_modules() if isinstance(m, nn.Dropout)), default=0.0
+    )
+
+
+def window_arrays(window: Window, start: int, end: int) -> tuple[mx.array, mx.array, mx.array]:
+    """Positions [start, end) of the window's inputs, targets and weights, each (1, end - start)."""
+    return (
+        mx.array(window.inputs[start:end])[None],
+        mx.array(window.targets[start:end])[None],
+        mx.array(window.weights[start:end])[None],
     )
 
 
@@ -71,10 +81,6 @@ class ChunkRunner:
         self.seed = self._dropout_seed()
         self.on_chunk: Callable[[str, int, int], None] | None = None  # (phase, done, of)
 
-    def _tick(self, phase: str, done: int, of: int) -> None:
-        if self.on_chunk is not None:
-            self.on_chunk(phase, done, of)
-
     def _dropout_seed(self) -> int | None:
         """With dropout, the walk's seed: the configured one, or one drawn for this walk. Refuses
         recompute with dropout: a checkpointed layer would redraw its masks in the backward."""
@@ -95,7 +101,7 @@ class ChunkRunner:
         if self.seed is not None:
             mx.random.seed(self.seed * 1_000_003 + chunk.index)
 
-    def _new_store(self, positions: int) -> None:
+    def new_store(self, positions: int) -> None:
         lay = self.layout
         self.store = KVStore(list(lay.kv_shapes), positions, self.config.cache_type, lay.dtype)
 
@@ -154,7 +160,7 @@ class ChunkRunner:
 
     def graph_by_layer(self, chunk: Chunk, caches: list, sink=None):
         """`graph` with recompute, one layer at a time (see layerwise.gradient)."""
-        x, y, w = self.window.arrays(chunk.start, chunk.end)
+        x, y, w = window_arrays(self.window, chunk.start, chunk.end)
         self._seed(chunk)
         scored = chunk.labelled
         kept = self.kept_inputs(chunk)
@@ -180,7 +186,7 @@ class ChunkRunner:
         """Run `chunk` with no gradient; write its K/V to the store; return its exit state.
         With `losses`, the chunk's loss share is appended to it."""
         caches = self.caches(chunk, entry)
-        x, y, w = self.window.arrays(chunk.start, chunk.end)
+        x, y, w = window_arrays(self.window, chunk.start, chunk.end)
         self._seed(chunk)
         scored = losses is not None and chunk.labelled
         # On CUDA a layer at a time (freed buffers return only once the GPU has run the graph);
@@ -208,7 +214,7 @@ class ChunkRunner:
         if self.config.recompute and self.head is not None:
             return self.graph_by_layer(chunk, caches, sink)
         model = self.model
-        x, y, w = self.window.arrays(chunk.start, chunk.end)
+        x, y, w = window_arrays(self.window, chunk.start, chunk.end)
         self._seed(chunk)
 
         def objective(params, inputs):

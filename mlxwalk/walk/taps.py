@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 from mlx import nn
@@ -182,10 +182,14 @@ class LayerCall:
     layer: nn.Module
     call: Callable
     x: mx.array
-    out: mx.array
+    out: mx.array | None
     args: tuple
     kwargs: dict
     cache: ChunkKV | ChunkState
+
+    def forward(self) -> mx.array:
+        """The layer on `x`, through its cache, as it was called."""
+        return self.call(self.layer, self.x, *self.args, **self.kwargs)
 
     def objective(self, params: dict, x: mx.array, taps: list, dy: mx.array) -> mx.array:
         """<the layer's output, dy> + its surrogate: differentiated, the layer's VJP at dy."""
@@ -195,22 +199,129 @@ class LayerCall:
         return inner(y, dy) + self.cache.surrogate()
 
 
+# How a wrapped decoder layer runs under one of the walk's caches: one object per mode, the one
+# its `Layers` holds for the block it is in (`Layers.mode`). `frozen`: a stem layer, run but
+# never differentiated, kept or recorded.
+
+
+class Direct:
+    """In the chunk's graph, its taps bound (no recompute, or a decode)."""
+
+    def run(self, layers: Layers, c: LayerCall, frozen: bool) -> mx.array:
+        y = c.forward()
+        c.cache.surrogate_value = c.cache.surrogate()
+        return y
+
+    def eager(self) -> Mode:
+        return Eager()
+
+
+class Checkpointed(Direct):
+    """In the chunk's graph, recomputed in the backward (mx.checkpoint): the taps enter as
+    explicit inputs, since a checkpointed function treats arrays it closes over as constants."""
+
+    def run(self, layers: Layers, c: LayerCall, frozen: bool) -> mx.array:
+        def layer(params, x, taps):
+            c.layer.update(params)
+            c.cache.bind(taps)
+            return c.call(c.layer, x, *c.args, **c.kwargs), c.cache.surrogate()
+
+        y, c.cache.surrogate_value = mx.checkpoint(layer)(
+            c.layer.trainable_parameters(), c.x, c.cache.inputs()
+        )
+        return y
+
+
+class Eager(Direct):
+    """No gradient (a decode), each layer's output evaluated as it is made: one layer's graph at
+    a time."""
+
+    def run(self, layers: Layers, c: LayerCall, frozen: bool) -> mx.array:
+        y = c.forward()
+        layers.timed("decode", c.cache, y)
+        return y
+
+
+@dataclass
+class Recording(Direct):
+    """Each layer run with no gradient, evaluated (its graph freed before the next is built) and
+    recorded; with `stem_output`, the stem's layers don't run and the first trained one reads it."""
+
+    recorded: list[LayerCall]
+    stem_output: mx.array | None = None
+
+    def run(self, layers: Layers, c: LayerCall, frozen: bool) -> mx.array:
+        if frozen and self.stem_output is not None:
+            return self.stem_output
+        c.out = c.forward()
+        layers.timed("stem" if frozen else "forward", c.cache, [c.x, c.out])
+        if not frozen:
+            self.recorded.append(c)
+        return c.out
+
+
+@dataclass
+class Replaying(Direct):
+    """As Recording, with no layer run: each call recorded with its kept input, returning the next
+    layer's (the body's other work, its masks, is cheap)."""
+
+    recorded: list[LayerCall]
+    kept: list
+
+    def run(self, layers: Layers, c: LayerCall, frozen: bool) -> mx.array:
+        c.x, c.out = self.kept[0], self.kept[1]
+        del self.kept[0]
+        if not frozen:
+            self.recorded.append(c)
+        return c.out
+
+    def eager(self) -> Mode:
+        return self  # nothing runs to evaluate
+
+
+@dataclass
+class Keeping:
+    """A decode that keeps each layer's input, and the last layer's output after them, while
+    `then` runs the layer (never checkpointed: the decode has no gradient); `stem_only`: the
+    stem's output alone (the first trained layer's input)."""
+
+    kept: list
+    stem_only: bool = False
+    then: Direct = field(default_factory=Direct)
+
+    def run(self, layers: Layers, c: LayerCall, frozen: bool) -> mx.array:
+        if self.stem_only:
+            if not frozen and not self.kept:
+                self.kept.append(c.x)
+            return self.then.run(layers, c, frozen)
+        # (the previous layer's output, when it is this one's input)
+        self.kept[-1:] = [None if frozen else c.x]
+        y = self.then.run(layers, c, frozen)
+        self.kept.append(y)
+        return y
+
+    def eager(self) -> Mode:
+        return replace(self, then=Eager())
+
+
+Mode = Direct | Keeping
+
+
 @dataclass
 class Layers:
     """How a walk's decoder layers run: one object per walk, carried by every cache the walk
-    builds (`cache.layers`), where each layer's call reads it. Its modes hold for a block (the
+    builds (`cache.layers`), where each layer's call reads it. Its mode holds for a block (the
     context managers below) and no longer."""
 
     stem: frozenset[int] = frozenset()  # ids of the frozen layers beneath every trainable one
     recompute: bool = False  # activation checkpointing of each layer (mx.checkpoint)
-    eager: bool = False  # each layer's output evaluated as it is made (no gradient)
-    recorded: list[LayerCall] | None = None  # each layer run with no gradient and recorded
-    kept: list | None = None  # the decode: each layer's input, then the last layer's output
-    replay: list | None = None  # the reverse: those inputs, handed back in order
-    stem_only: bool = False  # keeping: the stem's output alone (the first trained layer's input)
-    stem_output: mx.array | None = None  # recording: the stem's layers skipped, this given
     clock: Callable[[str, float], None] | None = None  # (what, seconds) per evaluated layer
     pending: list | None = None  # the layer whose evaluation is in flight (see `timed`)
+    mode: Mode | None = None  # None: the walk's own, Direct or Checkpointed
+
+    def __post_init__(self):
+        if self.mode is None:
+            self.mode = Checkpointed() if self.recompute else Direct()
 
     def timed(self, what: str, cache, arrays) -> None:
         """Evaluate `arrays`, a layer's: the layer before is waited for, this one is started and
@@ -238,41 +349,38 @@ class Layers:
             mx.eval(pending)
 
     @contextmanager
-    def _set(self, **modes) -> Iterator[Layers]:
-        previous = {k: getattr(self, k) for k in modes}
-        for k, v in modes.items():
-            setattr(self, k, v)
+    def _use(self, mode: Mode) -> Iterator[Mode]:
+        previous, self.mode = self.mode, mode
         try:
-            yield self
+            yield mode
         finally:
             self.settle()  # nothing of the block's layers is left in flight
-            for k, v in previous.items():
-                setattr(self, k, v)
+            self.mode = previous
 
     def eager_layers(self):
         """Within the block (no gradient), each layer's output is evaluated as it is made."""
-        return self._set(eager=True)
+        return self._use(self.mode.eager())
 
     @contextmanager
     def recording(self, stem_output: mx.array | None = None) -> Iterator[list[LayerCall]]:
         """Within the block, each layer's call is run with no gradient, evaluated, and recorded;
         with `stem_output`, the stem's layers don't run and the first trained layer reads it."""
-        with self._set(recorded=[], stem_output=stem_output):
-            yield self.recorded
+        with self._use(Recording([], stem_output)) as mode:
+            yield mode.recorded
 
     @contextmanager
     def keeping(self, stem_only: bool = False) -> Iterator[list]:
         """Within the block (a decode), each layer's input is kept, and the last layer's output
         after them: the list the reverse pass replays. `stem_only`: the stem's output alone."""
-        with self._set(kept=[], stem_only=stem_only):
-            yield self.kept
+        with self._use(Keeping([], stem_only)) as mode:
+            yield mode.kept
 
     @contextmanager
     def replaying(self, kept: list) -> Iterator[list[LayerCall]]:
         """As `recording`, with no layer run: each layer's call is recorded with its kept input
         and returns the next layer's (the body's other work, its masks, is cheap)."""
-        with self._set(recorded=[], replay=list(kept)):
-            yield self.recorded
+        with self._use(Replaying([], list(kept))) as mode:
+            yield mode.recorded
 
 
 _walk_classes: dict[type, type] = {}
@@ -295,7 +403,7 @@ def own_call(base: type):
 
 def _walk_class(base: type) -> type:
     """A subclass of a decoder layer whose call takes the layer's taps as explicit inputs and
-    runs as its cache's `Layers` say."""
+    runs as its cache's `Layers` say (their mode)."""
     if base in _walk_classes:
         return _walk_classes[base]
 
@@ -307,50 +415,9 @@ def _walk_class(base: type) -> type:
         cache = _find_cache(args, kwargs)
         if cache is None:
             return call(self, x, *args, **kwargs)
-        modes = cache.layers
-        frozen = id(self) in modes.stem  # never differentiated: neither kept nor recorded
-        if modes.replay is not None:
-            x, y = modes.replay[0], modes.replay[1]
-            del modes.replay[0]
-            if not frozen:
-                modes.recorded.append(LayerCall(self, call, x, y, args, kwargs, cache))
-            return y
-        if frozen and modes.stem_output is not None:
-            return modes.stem_output  # the stem's output, kept from the decode: no stem layer runs
-        if modes.kept is not None and modes.stem_only:
-            if not frozen and not modes.kept:
-                modes.kept.append(x)
-        elif modes.kept is not None:
-            # (the previous layer's output, when it is this one's input)
-            modes.kept[-1:] = [None if frozen else x]
-        if modes.eager:
-            y = call(self, x, *args, **kwargs)
-            modes.timed("decode", cache, y)  # one layer's graph at a time
-        elif modes.recorded is not None:
-            y = call(self, x, *args, **kwargs)
-            # one layer at a time: its graph is freed before the next is built
-            modes.timed("stem" if frozen else "forward", cache, [x, y])
-            if not frozen:
-                modes.recorded.append(LayerCall(self, call, x, y, args, kwargs, cache))
-        elif not modes.recompute or modes.kept is not None:  # the taps are bound and in the graph
-            y = call(self, x, *args, **kwargs)
-            cache.surrogate_value = cache.surrogate()
-        else:
-            return checkpointed(self, cache, x, args, kwargs)
-        if modes.kept is not None and not modes.stem_only:
-            modes.kept.append(y)
-        return y
-
-    def checkpointed(self, cache, x, args: tuple, kwargs: dict):
-        def layer(params, x, taps):
-            self.update(params)
-            cache.bind(taps)
-            return call(self, x, *args, **kwargs), cache.surrogate()
-
-        y, cache.surrogate_value = mx.checkpoint(layer)(
-            self.trainable_parameters(), x, cache.inputs()
-        )
-        return y
+        layers = cache.layers
+        c = LayerCall(self, call, x, None, args, kwargs, cache)
+        return layers.mode.run(layers, c, id(self) in layers.stem)
 
     cls = type(f"Walk{base.__name__}", (base,), {"__call__": __call__})
     _walk_classes[base] = cls

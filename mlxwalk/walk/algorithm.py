@@ -1,7 +1,9 @@
-"""The exact walk's algorithm, once, for every framework: its phases over the plan, the horizon
-narrowed under a memory budget, the refusals. No array library: a framework subclasses
-`ExactAlgorithm` with its mechanics (walk/exact.py for MLX, torch_backend/walk.py for torch).
+"""The walks' algorithms, once, for every framework: the order of their steps over a window's
+chunks, the horizon narrowed under a memory budget, the refusals. No array library: a framework
+subclasses `ExactAlgorithm` and `PlainAlgorithm` with its mechanics (walk/exact.py and
+walk/plain.py for MLX, torch_backend/walk.py for torch).
 
+The exact walk:
   1. decode_forward: every chunk but the last (whose K/V and exit state no chunk reads), first
      to last, with no gradient: its K/V into the store; the state entering every stride-th chunk
      kept (recurrent layers).
@@ -14,9 +16,14 @@ The adapter must not change between the start of decode_forward and the end of r
 reverse pass recomputes each chunk's K/V and exit state and pairs them with adjoints taken
 against the stored ones.
 
-What a framework supplies (the mechanics): `new_store`, `zero_state`, `decode_chunk` (and
-`decode`, write or not), `start_reverse`, `train_chunk`, `finish_reverse`, `walking` (the model
-as the walk runs it), and under a memory budget `fits(chunk, taps)`.
+The plain walk: chunk by chunk, first to last, the prefix a constant; each labelled chunk's loss
+differentiated alone (with a step, one per labelled chunk), then the chunk decoded into the store
+under the adapter as it now is, so later chunks read what it now produces.
+
+What a framework supplies (the mechanics): `new_store`, `zero_state`, `decode` (write or not),
+`walking` (the model as the walk runs it); for the exact walk `decode_chunk`, `start_reverse`,
+`train_chunk`, `finish_reverse` and under a memory budget `fits(chunk, taps)`; for the plain
+walk `train_plain` and `finish_plain`.
 """
 
 from __future__ import annotations
@@ -25,8 +32,8 @@ import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 
-from .errors import OutOfMemory
-from .plan import Chunk, Plan
+from ..errors import OutOfMemory
+from ..plan import Chunk, Plan, cut
 
 log = logging.getLogger("mlxwalk")
 
@@ -39,7 +46,44 @@ def narrowed(taps: int, size: int, fits: Callable[[int], bool]) -> int:
     return taps
 
 
-class ExactAlgorithm:
+LOSS_BLOCK = 1024  # positions whose logits are alive at once in a chunk's graph
+
+
+def loss_blocks(n: int) -> list[slice]:
+    """A chunk's `n` positions in blocks of LOSS_BLOCK, each block's logits alive alone (its
+    loss checkpointed): the chunk's logits, positions x vocabulary, the largest tensor of its
+    graph for a large vocabulary, are never all alive, for the price of one more output
+    projection. One block (no checkpoint) when the chunk is no longer than one."""
+    return [slice(a, min(a + LOSS_BLOCK, n)) for a in range(0, n, LOSS_BLOCK)]
+
+
+class WalkAlgorithm:
+    """What both walks' algorithms run on: the framework's store, states and decode."""
+
+    on_chunk: Callable[[str, int, int], None] | None = None  # (phase, done, of)
+
+    def tick(self, phase: str, done: int, of: int) -> None:
+        if self.on_chunk is not None:
+            self.on_chunk(phase, done, of)
+
+    # --- the framework's mechanics -------------------------------------------------------------
+
+    def walking(self) -> AbstractContextManager:
+        """The model as the walk runs it, for the walk's duration."""
+        return nullcontext()
+
+    def new_store(self, positions: int) -> None:
+        raise NotImplementedError
+
+    def zero_state(self):
+        raise NotImplementedError
+
+    def decode(self, chunk: Chunk, state, write: bool = True):
+        """One chunk with no gradient: its K/V into the store (if `write`); its exit state."""
+        raise NotImplementedError
+
+
+class ExactAlgorithm(WalkAlgorithm):
     """One window's exact walk over `self.plan`, the framework's mechanics in the hooks below.
     A subclass sets `plan`, `horizon_used` (its configured horizon), `recurrent`, `budget_mib`
     (None without a memory budget) and `remedies` (what a --strict-exact refusal suggests)."""
@@ -49,7 +93,6 @@ class ExactAlgorithm:
     recurrent: bool = False
     budget_mib: float | None = None
     remedies: str = "raise --memory-budget-mib, or give a smaller --chunk"
-    on_chunk: Callable[[str, int, int], None] | None = None  # (phase, done, of)
     checkpoints: dict
 
     # --- the phases ------------------------------------------------------------------------
@@ -123,10 +166,6 @@ class ExactAlgorithm:
             self.tick("train", done, len(order))
         return self.finish_reverse(loss)
 
-    def tick(self, phase: str, done: int, of: int) -> None:
-        if self.on_chunk is not None:
-            self.on_chunk(phase, done, of)
-
     # --- the horizon under a memory budget ---------------------------------------------------
 
     def grad_from(self, chunk: Chunk) -> int:
@@ -169,20 +208,6 @@ class ExactAlgorithm:
 
     # --- the framework's mechanics -------------------------------------------------------------
 
-    def walking(self) -> AbstractContextManager:
-        """The model as the walk runs it, for the walk's duration."""
-        return nullcontext()
-
-    def new_store(self, positions: int) -> None:
-        raise NotImplementedError
-
-    def zero_state(self):
-        raise NotImplementedError
-
-    def decode(self, chunk: Chunk, state, write: bool = True):
-        """One chunk with no gradient: its K/V into the store (if `write`); its exit state."""
-        raise NotImplementedError
-
     def decode_chunk(self, chunk: Chunk, state):
         """The decode pass's step (a framework may keep more of it than `decode` does)."""
         return self.decode(chunk, state)
@@ -200,4 +225,37 @@ class ExactAlgorithm:
 
     def fits(self, chunk: Chunk, taps: int) -> bool:
         """Whether the walk fits its memory budget with this chunk's graph tapping `taps`."""
+        raise NotImplementedError
+
+
+class PlainAlgorithm(WalkAlgorithm):
+    """One window's plain walk over `self.window`, cut as `self.config` says (its `chunk` and
+    `follow_runs`), the framework's mechanics in the hooks below."""
+
+    def walk(self, step: Callable | None = None):
+        """The window's loss and gradient (as `finish_plain` gives them). With `step`, one
+        optimizer step per labelled chunk (`train_plain` takes it): the gradient is then the sum
+        of the chunks' gradients, each taken at the adapter that chunk saw."""
+        chunks = cut(self.window.labels, self.config.chunk, self.config.follow_runs)
+        loss = None
+        with self.walking():
+            self.new_store(chunks[-1].end)
+            state = self.zero_state()
+            for chunk in chunks:
+                if chunk.labelled:
+                    share = self.train_plain(chunk, state, step)
+                    loss = share if loss is None else loss + share
+                if chunk is not chunks[-1]:  # no later chunk reads the last one's K/V
+                    state = self.decode(chunk, state)
+                self.tick("train", chunk.index + 1, len(chunks))
+        return self.finish_plain(loss)
+
+    # --- the framework's mechanics -------------------------------------------------------------
+
+    def train_plain(self, chunk: Chunk, state, step: Callable | None):
+        """The chunk's loss differentiated with the prefix constant, its gradient summed (and
+        stepped on with `step`). Returns its share of the loss."""
+        raise NotImplementedError
+
+    def finish_plain(self, loss):
         raise NotImplementedError

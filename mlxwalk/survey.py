@@ -24,9 +24,9 @@ import metal_kernels.attention as attention_kernels
 import metal_kernels.delta as delta_kernels
 from metal_kernels.delta import chunked
 
-from ..errors import ModelError
-from . import delta, delta_chunked, delta_scan, routing
-from .attention import CUDA_DTYPES, CUDA_HEAD_DIMS, check
+from .errors import ModelError
+from .ops import delta, delta_chunked, delta_scan, routing
+from .ops.attention import CUDA_DTYPES, CUDA_HEAD_DIMS, check
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 # The kernels each op's self-check reports on, by routing's op name.
@@ -121,7 +121,7 @@ class Survey:
 
 def device() -> Device:
     """This machine's device, as MLX reports it."""
-    from ..walk import machine
+    from .walk import machine
 
     info = mx.device_info()
     backend = machine.backend()
@@ -167,7 +167,7 @@ def shape_of(config: dict, label: str) -> Shape:
 def shapes(model: str | None, gpu: bool) -> list[Shape]:
     """The shapes to survey: `model`'s (a bundled name, a folder, a cached hub id), else the
     representative set (GPU_SHAPES on a GPU, the bundled tiny models' on the CPU)."""
-    from ..training.models import resolve
+    from .training.models import resolve
 
     if model is not None:
         file = resolve(model) / "config.json"
@@ -176,10 +176,10 @@ def shapes(model: str | None, gpu: bool) -> list[Shape]:
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise ModelError(f"{file} does not give the model's shapes ({e})") from None
     if gpu:
-        from ..bench import SHAPES
+        from .bench import SHAPES
 
         return [shape_of(SHAPES[k], f"{v}-like") for k, v in GPU_SHAPES.items()]
-    from .. import tiny
+    from . import tiny
 
     return [shape_of(tiny.MODELS[name].config, name) for name in CPU_SHAPES]
 
