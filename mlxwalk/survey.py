@@ -273,7 +273,9 @@ def auto(case: routing.Case, rows: list[Row], harness: bool) -> str:
         if case.op == "attention" and not (
             case.head_dim in CUDA_HEAD_DIMS and case.dtype in CUDA_DTYPES
         ):
-            return "MLX's fused path (measured faster here; the kernel with attention='tiled')"
+            # the race above is against the ops twin; at these head dims MLX's fused path (cuDNN)
+            # beat the kernels in the H200's op table (docs/BENCHMARKS.md)
+            return "MLX's fused path (cuDNN: faster in the op table; the kernel: attention='tiled')"
         if case.op == "delta-chunked" and case.dtype not in delta_chunked.CUDA_CHUNKED:
             return "twin (not measured in this dtype)"
         if case.op == "delta" and not delta_scan.CUDA_SCANS:
