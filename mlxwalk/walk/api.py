@@ -26,7 +26,17 @@ from .window import Window
 
 @first_use
 def window_loss(model: nn.Module, window: Window, config: WalkConfig, layout=None) -> float:
-    """The window's loss, decoded chunk by chunk with no gradient (for evaluation)."""
+    """The window's loss, decoded chunk by chunk with no gradient (for evaluation).
+
+    Args:
+        model: an mlx-lm model (any dtype; quantized or not).
+        window: the window's ids (int32, length n) and weights (float32, length n).
+        config: the walk's settings; its chunk sets how many positions decode at once.
+        layout: the model's arch.Layout, when the caller has it (else read here).
+
+    Returns:
+        sum(w * CE) / sum(w) over the window's n positions, a Python float.
+    """
     runner = ChunkRunner(model, window, config, layout)
     chunks = cut(window.labels, runner.config.chunk, runner.config.follow_runs)
     losses: list = []
@@ -41,7 +51,18 @@ def window_loss(model: nn.Module, window: Window, config: WalkConfig, layout=Non
 @first_use
 def one_graph(model: nn.Module, window: Window, products: str = "auto") -> tuple[mx.array, dict]:
     """The reference: the whole window as one graph, no cache, its quantized products as the
-    walk's (ops.products)."""
+    walk's (ops.products).
+
+    Args:
+        model: an mlx-lm model with trainable parameters (LoRA layers).
+        window: the window's ids (int32, length n) and weights (float32, length n).
+        products: "auto", "quantized" or "dequantized": how a quantized layer multiplies.
+
+    Returns:
+        (loss, grads): the loss sum(w * CE) / sum(w), a scalar array (float32), and its gradient,
+        a tree shaped as `model.trainable_parameters()` (each array its parameter's shape and
+        dtype). Both unevaluated.
+    """
     x, y, w = window_arrays(window, 0, len(window))
 
     def objective(params):
@@ -74,8 +95,27 @@ def window_gradient(
     """The window's loss sum(w * CE) / sum(w) and its gradient in `model.trainable_parameters()`.
 
     walk="exact" walks the window in chunks and equals "one-graph" to rounding; "plain" returns the
-    sum of its per-chunk gradients at the unchanged adapter. Raises ValueError for a window with no
-    labelled position, chunk < 1, or lengths that differ.
+    sum of its per-chunk gradients at the unchanged adapter.
+
+    Args:
+        model: an mlx-lm model with trainable parameters (LoRA layers).
+        inputs: token ids, shape (n,) or (1, n), integers (NumPy, list or mx.array).
+        targets: the next token at each position, shape as `inputs`.
+        weights: each position's weight in the loss, shape as `inputs`, real, >= 0, not all 0
+            (0: context only).
+        chunk: positions per chunk (>= 1); the walk's memory grows with it.
+        walk: "exact", "plain" or "one-graph" (the reference).
+        cache_type, horizon, recompute, host_budget_mib, memory_budget_mib, accumulator_dtype,
+        attention, keep_inputs, products: WalkConfig's fields (walk/config.py says each).
+
+    Returns:
+        (loss, grads): the loss as a Python float and its gradient, a tree shaped as
+        `model.trainable_parameters()` (each array its parameter's shape and dtype), evaluated.
+
+    Raises:
+        ConfigError for an unknown walk or setting or a frozen model; DataError for a window
+        with no labelled position or lengths that differ; OutOfMemory when a memory budget
+        cannot hold the walk (before any array of the window exists).
     """
     if walk not in WALKS:
         raise ConfigError(f"walk {walk!r} is unknown; choose one of {', '.join(WALKS)}")
@@ -119,7 +159,18 @@ def train_window(
     taken (a memory budget's probe, run once per model and chunk size, comes first); a NaN or
     infinite loss or gradient raises NonFinite before the step that would apply it (the plain
     walk may have stepped on the window's earlier chunks).
-    Returns the walk, whose `loss` holds the window's loss (at the adapter it started from)."""
+
+    Args:
+        model: an mlx-lm model with trainable parameters (LoRA layers).
+        optimizer: an mlx.optimizers optimizer; it updates `model` in place.
+        window: the window's ids (int32, length n) and weights (float32, length n).
+        config: the walk's settings (WalkConfig, checked).
+        walk: "exact" (one step) or "plain" (a step per labelled chunk).
+        on_chunk: told (phase "decode" or "train", chunks done, chunks) after each chunk.
+
+    Returns:
+        The walk, whose `loss` holds the window's loss (at the adapter it started from).
+    """
 
     check_trainable(model)
 
@@ -151,8 +202,20 @@ def check_trainable(model: nn.Module) -> None:
 
 @first_use
 def exact_gradient(model, window: Window, config: WalkConfig, on_chunk=None, layout=None):
-    """The exact walk's gradient of one window, checked finite (NonFinite otherwise); the walk
-    is returned with its `loss` set, for a caller that steps on several windows at once."""
+    """The exact walk's gradient of one window, checked finite (NonFinite otherwise), for a
+    caller that steps on several windows at once.
+
+    Args:
+        model: an mlx-lm model with trainable parameters.
+        window: the window's ids (int32, length n) and weights (float32, length n).
+        config: the walk's settings (WalkConfig).
+        on_chunk: told (phase "decode" or "train", chunks done, chunks) after each chunk.
+        layout: the model's arch.Layout, when the caller has it.
+
+    Returns:
+        (walk, grads): the ExactWalk with its `loss` (a float) set, and the gradient of the
+        window's loss, a tree shaped as `model.trainable_parameters()`.
+    """
     runner = ExactWalk(model, window, config, layout)
     runner.on_chunk = on_chunk
     loss, grads = runner.run()
@@ -162,7 +225,14 @@ def exact_gradient(model, window: Window, config: WalkConfig, on_chunk=None, lay
 
 
 def apply_step(model: nn.Module, optimizer, grads: dict, clip: float | None = None) -> None:
-    """One optimizer step on `grads`, clipped to the global L2 norm `clip` first if given."""
+    """One optimizer step on `grads`, clipped to the global L2 norm `clip` first if given.
+
+    Args:
+        model: the model whose trainable parameters step.
+        optimizer: an mlx.optimizers optimizer.
+        grads: a tree shaped as `model.trainable_parameters()`.
+        clip: the largest global L2 norm the step may take, or None.
+    """
     if clip is not None:
         grads, _ = optim.clip_grad_norm(grads, clip)
     optimizer.update(model, grads)

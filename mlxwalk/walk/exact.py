@@ -23,7 +23,19 @@ from .window import Window
 
 
 class ExactWalk(ChunkRunner, admission.Admission, ExactAlgorithm):
-    """One window's exact walk; the plan (and any refusal) comes before any array."""
+    """One window's exact walk; the plan (and any refusal) comes before any array.
+
+    Args:
+        model: an mlx-lm model with trainable parameters (LoRA layers), any dtype, quantized or
+            not; attention and gated delta-net layers (walk/arch.py says which it reads).
+        window: the window's ids (int32, length n) and weights (float32, length n).
+        config: the walk's settings (WalkConfig): chunk, horizon, cache type, budgets, ...
+        layout: the model's arch.Layout, when the caller has it (else read here).
+
+    Raises:
+        OutOfMemory when the memory budget cannot hold the walk, ConfigError for a setting the
+        model cannot take, both before any array of the window exists.
+    """
 
     def __init__(self, model: nn.Module, window: Window, config: WalkConfig, layout=None):
         super().__init__(model, window, config, layout)
@@ -55,8 +67,15 @@ class ExactWalk(ChunkRunner, admission.Admission, ExactAlgorithm):
         return rest + self.graph_bytes(taps, chunk.start) <= self.config.device_budget
 
     def run(self, chunks: int | None = None) -> tuple[mx.array, dict]:
-        """The window's loss and gradient. `chunks`: the reverse pass stops after that many
-        chunks (the memory probe)."""
+        """The window's loss and gradient.
+
+        Args:
+            chunks: the reverse pass stops after that many chunks (the memory probe); None: all.
+
+        Returns:
+            (loss, grads): sum(w * CE) / sum(w), a scalar array (float32), and its gradient, a
+            tree shaped as `model.trainable_parameters()`; equal to `one_graph`'s to rounding.
+        """
         limit = None
         # On the CPU and Metal, MLX's scheduler waits for work to finish past its memory limit.
         # On CUDA the limit only makes its allocator return cached buffers through the stream's

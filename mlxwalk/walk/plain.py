@@ -17,13 +17,23 @@ from .taps import release
 
 
 class PlainWalk(ChunkRunner, PlainAlgorithm):
-    """Chunk by chunk; the gradient stops at every chunk boundary."""
+    """Chunk by chunk; the gradient stops at every chunk boundary. Built as ExactWalk is
+    (model, window, config, layout), with no memory budget's admission."""
 
     grads: dict | None = None  # the chunks' gradients, summed
 
     def run(self, step: Callable[[dict], None] | None = None) -> tuple[mx.array, dict]:
-        """With `step`, one optimizer step per labelled chunk; the result's gradient is the sum of
-        the chunks' gradients, each taken at the adapter that chunk saw."""
+        """The window's loss and the sum of its chunks' gradients.
+
+        Args:
+            step: called with each labelled chunk's gradient (one optimizer step per chunk);
+                None: the adapter stays as it is.
+
+        Returns:
+            (loss, grads): sum(w * CE) / sum(w), a scalar array (float32), and the sum of the
+            chunks' gradients, each taken at the adapter that chunk saw, a tree shaped as
+            `model.trainable_parameters()`.
+        """
         self.grads = None
         return self.walk(step)
 

@@ -20,9 +20,21 @@ class Window:
 
     @classmethod
     def of(cls, inputs, targets, weights) -> Window:
-        """One window from three sequences of equal length (or rows of one), refusing what the
-        walk would get wrong: ids that are not integers or not int32, a batch of several rows,
-        negative or non-finite weights, nothing labelled."""
+        """One window from three sequences of equal length, refusing what the walk would get
+        wrong: ids that are not integers or not int32, a batch of several rows, negative or
+        non-finite weights, nothing labelled.
+
+        Args:
+            inputs: token ids, shape (n,) or (1, n), integers (NumPy, list, mx.array).
+            targets: the next token at each position, shape as `inputs`.
+            weights: each position's weight in the loss, shape as `inputs`, real, >= 0.
+
+        Returns:
+            The Window: inputs, targets int32 (n,); weights float32 (n,).
+
+        Raises:
+            DataError naming the sequence at fault.
+        """
         x, y = _ids("input", inputs), _ids("target", targets)
         w = _row("weights", np.asarray(weights))
         if not np.issubdtype(w.dtype, np.number) or np.issubdtype(w.dtype, np.complexfloating):
