@@ -25,8 +25,9 @@ import metal_kernels.delta as delta_kernels
 from metal_kernels.delta import chunked
 
 from .errors import ModelError
-from .ops import delta, delta_chunked, delta_scan, routing
+from .ops import routing
 from .ops.attention import CUDA_DTYPES, CUDA_HEAD_DIMS, check
+from .ops.delta import chunk_kernel, gated_delta, mlx_fast, scan
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 # The kernels each op's self-check reports on, by routing's op name.
@@ -36,7 +37,7 @@ KERNELS = {
     "delta": ("delta/scan", "delta/scan_back"),
     "mlx-delta": ("mlx gated_delta_update",),
 }
-# Without `--model`: on a GPU, shapes from bench.SHAPES (Qwen2.5-0.5B's attention at head dim 64,
+# Without `--model`: on a GPU, shapes from shapes.SHAPES (Qwen2.5-0.5B's attention at head dim 64,
 # an 8B's at 128, Qwen3.5-27B's hybrid at 256 with its gated delta-net layers); on the CPU the
 # bundled tiny models', small enough for the harness.
 GPU_SHAPES = {
@@ -176,7 +177,7 @@ def shapes(model: str | None, gpu: bool) -> list[Shape]:
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise ModelError(f"{file} does not give the model's shapes ({e})") from None
     if gpu:
-        from .bench import SHAPES
+        from .shapes import SHAPES
 
         return [shape_of(SHAPES[k], f"{v}-like") for k, v in GPU_SHAPES.items()]
     from . import tiny
@@ -230,10 +231,10 @@ def _cases(shape: Shape, backend: str, harness: bool) -> list[tuple[routing.Case
         v = mx.zeros((1, 1, hv, shape.value_dim), dtype)
         ok = chunked.supports(q, q, v, backend)
         out.append((case, None if ok else f"not taken (dims {shape.key_dim}/{shape.value_dim})"))
-        chunk = 256 if not harness else 64  # delta.chunk_size() on a GPU, on the CPU
-        scan = routing.ScanCase(backend, shape.key_dim, chunk)
+        chunk = 256 if not harness else 64  # chunk_size() on a GPU, on the CPU
+        scan_case = routing.ScanCase(backend, shape.key_dim, chunk)
         ok = delta_kernels.supports(shape.key_dim, chunk)
-        out.append((scan, None if ok else f"not taken (key dim {shape.key_dim})"))
+        out.append((scan_case, None if ok else f"not taken (key dim {shape.key_dim})"))
         if backend == "metal" and not harness:
             mlx = routing.MlxDeltaCase(backend, dtype, hk, hv, shape.key_dim, shape.value_dim)
             out.append((mlx, None))
@@ -245,12 +246,12 @@ def _checker(op: str) -> tuple[routing.Checker, routing.Racer]:
         return check.kernel_vs_twin, check.race
     if op == "delta-chunked":
         return (
-            lambda c: delta_chunked.kernel_vs_twin(c, delta.gated_delta),
-            lambda c, size: delta_chunked.race(c, size, delta.gated_delta),
+            lambda c: chunk_kernel.kernel_vs_twin(c, gated_delta),
+            lambda c, size: chunk_kernel.race(c, size, gated_delta),
         )
     if op == "delta":
-        return delta_scan.kernel_vs_twin, delta_scan.race
-    return delta.mlx_fast_vs_ops, delta.mlx_fast_race
+        return scan.kernel_vs_twin, scan.race
+    return mlx_fast.kernel_vs_twin, mlx_fast.race
 
 
 def _first_line(e: BaseException) -> str:
@@ -276,9 +277,9 @@ def auto(case: routing.Case, rows: list[Row], harness: bool) -> str:
             # the race above is against the ops twin; at these head dims MLX's fused path (cuDNN)
             # beat the kernels in the H200's op table (docs/BENCHMARKS.md)
             return "MLX's fused path (cuDNN: faster in the op table; the kernel: attention='tiled')"
-        if case.op == "delta-chunked" and case.dtype not in delta_chunked.CUDA_CHUNKED:
+        if case.op == "delta-chunked" and case.dtype not in chunk_kernel.CUDA_CHUNKED:
             return "twin (not measured in this dtype)"
-        if case.op == "delta" and not delta_scan.CUDA_SCANS:
+        if case.op == "delta" and not scan.CUDA_SCANS:
             return "twin (measured slower)"
         if case.op == "mlx-delta":
             return "twin (never routed on CUDA)"

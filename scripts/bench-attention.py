@@ -15,8 +15,9 @@ import platform
 import sys
 
 import mlx.core as mx
+from lib import bench
 
-from mlxwalk import bench, use_openblas
+from mlxwalk import use_openblas
 from mlxwalk.ops.attention import Prefix, check, chunk_attention, path
 
 use_openblas()  # MLX's CPU matrix products on OpenBLAS (mlxwalk/_blas.py)

@@ -23,8 +23,9 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.optimizers as optim
 import numpy as np
+from lib import bench
 
-from mlxwalk import bench, use_openblas
+from mlxwalk import use_openblas
 from mlxwalk.plan import MIB, OutOfMemory
 from mlxwalk.walk import ExactWalk, WalkConfig, Window, arch, probe, taps
 from mlxwalk.walk.guards import check_finite

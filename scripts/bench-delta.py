@@ -19,12 +19,13 @@ import sys
 import time
 
 import mlx.core as mx
+from lib import bench
 from mlx_lm.models.gated_delta import gated_delta_ops
 
-from mlxwalk import bench, use_openblas
+from mlxwalk import use_openblas
 from mlxwalk.commands.walk_exact import prepare
-from mlxwalk.ops import delta, delta_scan
-from mlxwalk.ops.delta import gated_delta
+from mlxwalk.ops import delta
+from mlxwalk.ops.delta import chunk, gated_delta, scan
 from mlxwalk.training import models
 
 use_openblas()  # MLX's CPU matrix products on OpenBLAS (mlxwalk/_blas.py)
@@ -69,7 +70,7 @@ def fwd_bwd(fn, xs, repeats):
 
 
 def chunk_sizes(a) -> int:
-    """The chunked op's forward+backward at each chunk size (see delta.chunk_size)."""
+    """The chunked op's forward+backward at each chunk size (see chunk.chunk_size)."""
     print(
         f"mlx {mx.__version__} on {mx.default_device()}, {platform.machine()}; gated delta "
         f"layer {a.key_heads}/{a.value_heads} heads, dim {a.dim}, float32, forward+backward"
@@ -78,8 +79,8 @@ def chunk_sizes(a) -> int:
     for t in a.lengths:
         xs = layer_inputs(t, a.key_heads, a.value_heads, a.dim)
         for c in a.chunks:
-            delta.CHUNK = c
-            s, m = fwd_bwd(delta.gated_delta, xs, max(2, a.repeats))
+            chunk.CHUNK = c
+            s, m = fwd_bwd(gated_delta, xs, max(2, a.repeats))
             print(f"| {t} | {c} | {s:.3f} | {m:,.0f} |", flush=True)
     return 0
 
@@ -136,10 +137,10 @@ def kernels(a) -> int:
     for t in a.lengths:
         xs = layer_inputs(t, a.key_heads, a.value_heads, a.dim)
         for c in a.chunks or [64, 256]:
-            delta.CHUNK = c
+            chunk.CHUNK = c
             for path, mode in (("ops twin", "off"), ("scan kernels", "on")):
                 os.environ["MLXWALK_KERNELS"] = mode
-                if mode == "on" and not delta_scan.use_kernel(a.dim, min(c, t)):
+                if mode == "on" and not scan.use_kernel(a.dim, min(c, t)):
                     print(f"| {t} | {c} | {path} | no kernel here | |", flush=True)
                     continue
                 s, m = fwd_bwd(gated_delta, xs, max(2, a.repeats))

@@ -21,9 +21,10 @@ from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
+from lib import bench
 
-from mlxwalk import bench, use_openblas
-from mlxwalk.ops import delta, delta_chunked
+from mlxwalk import use_openblas
+from mlxwalk.ops.delta import chunk, chunk_kernel
 from mlxwalk.walk import WalkConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -137,7 +138,7 @@ def main() -> int:
             [sys.executable, "-m", "mlxwalk", "test-walk-exact"], cwd=ROOT, env=env
         )
         return code
-    delta.CHUNK = a.delta_chunk
+    chunk.CHUNK = a.delta_chunk
     config = WalkConfig(
         chunk=a.chunk,
         cache_type=a.cache_type,
@@ -162,12 +163,12 @@ def main() -> int:
         header(
             f"qwen3_5 hybrid, {n / 1e6:.0f}M parameters, bf16, LoRA r8 on 16 layers, "
             f"chunk {a.chunk}, recompute {a.recompute}, "
-            f"delta chunk {delta.chunk_size()}"
+            f"delta chunk {chunk.chunk_size()}"
         )
         rows = steps(model, ["mlx-lm+ckpt"], a.mlx_lm_windows, config, 1, "hybrid-mlx-lm", {})
         for path in a.delta_paths:
             if path != "auto":
-                delta_chunked.CUDA_CHUNKED = (mx.bfloat16, mx.float16) if path == "chunked" else ()
+                chunk_kernel.CUDA_CHUNKED = (mx.bfloat16, mx.float16) if path == "chunked" else ()
             header(f"the walks, delta rule path {path}")
             rows += steps(
                 model,

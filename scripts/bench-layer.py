@@ -18,8 +18,8 @@ import sys
 
 import mlx.core as mx
 import mlx.nn as nn
+from lib import bench
 
-from mlxwalk import bench
 from mlxwalk.ops import products
 from mlxwalk.walk import loss as walk_loss
 from mlxwalk.walk.arch import Head

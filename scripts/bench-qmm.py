@@ -3,7 +3,7 @@
 the same weights dequantized then multiplied (the walk's product, mlxwalk/ops/products.py) and a
 bf16 product of the same shape, forward and forward + the input's gradient (what a frozen base's
 layer costs in the walk), side by side in one process. Shapes: the projections of the
-Qwen3.5-27B and Llama-3-8B shapes (mlxwalk.bench).
+Qwen3.5-27B and Llama-3-8B shapes (mlxwalk.shapes).
 
     bench-qmm --tokens 2048 4096 --repeats 10
 

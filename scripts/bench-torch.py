@@ -26,9 +26,9 @@ import time
 
 import numpy as np
 import torch
+from lib.bench import SHAPES, SMALL
 
 from mlxwalk import use_openblas
-from mlxwalk.bench import SHAPES, SMALL
 from mlxwalk.plan import PlanError
 from mlxwalk.torch_backend import attention, recurrent
 from mlxwalk.torch_backend import model as models

@@ -16,8 +16,9 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
+from lib import bench
 
-from mlxwalk import bench, use_openblas
+from mlxwalk import use_openblas
 from mlxwalk.commands.walk_exact import prepare
 from mlxwalk.training import models
 from mlxwalk.walk import WalkConfig

@@ -21,8 +21,9 @@ import mlx.core as mx
 
 from metal_kernels import build, harness
 from mlxwalk import use_openblas
-from mlxwalk.ops import delta_scan, routing
+from mlxwalk.ops import routing
 from mlxwalk.ops.attention import check
+from mlxwalk.ops.delta import scan
 
 use_openblas()  # MLX's CPU matrix products on OpenBLAS (mlxwalk/_blas.py)
 
@@ -52,7 +53,7 @@ def check_delta(backend: str, small: bool) -> int:
     print("| key dim | chunk | scan error | reverse scan error | ok |\n|---:|---:|---:|---:|---|")
     failed = 0
     for dk, c in ((64, 64), (128, 64), (128, 256)) if not small else ((64, 16), (128, 40)):
-        e = delta_scan.kernel_vs_twin(routing.ScanCase(backend, dk, c), n, dv)
+        e = scan.kernel_vs_twin(routing.ScanCase(backend, dk, c), n, dv)
         ok = max(e.values()) <= 1e-5
         failed += not ok
         print(

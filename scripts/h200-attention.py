@@ -44,7 +44,7 @@ import time
 import traceback
 from pathlib import Path
 
-from mlxwalk import jobs
+from lib import jobs
 
 ROOT = Path(__file__).resolve().parent.parent
 

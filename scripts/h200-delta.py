@@ -20,7 +20,7 @@ allowing) other block shapes per kernel.
             new       the chunked CUDA kernels (chunked.op); each kernel alone at 16K and 64K too
             ops       the ops twin, mlxwalk.ops.delta.gated_delta (MLXWALK_KERNELS=off)
             scans     the same with its recurrence on today's scan kernels (MLXWALK_KERNELS=on,
-                      mlxwalk/ops/delta_scan.py)
+                      mlxwalk/ops/delta/scan.py)
             mlx-fast  mx.fast.gated_delta_update (ops fallback on CUDA: 4K only)
             fla       flash-linear-attention's chunk_gated_delta_rule (torch, Triton) where it
                       imports: its forward, and its backward, which refuses on Hopper under
@@ -57,7 +57,7 @@ import time
 import traceback
 from pathlib import Path
 
-from mlxwalk import jobs
+from lib import jobs
 
 GIB = 1024**3
 LAYER = {"hk": 16, "hv": 32, "dim": 128}  # Qwen3.5's gated delta-net layer
@@ -138,8 +138,8 @@ PRIMALS = ("q", "k", "v", "log_g", "beta", "state")
 
 
 def twin_parts(x: dict) -> dict:
-    """Every kernel's outputs by the ops twin's own pieces (mlxwalk.ops.delta: its chunking,
-    unit_lower_inverse, its recurrence), float32, in chunked.py's layouts."""
+    """Every kernel's outputs by the ops twin's own pieces (mlxwalk/ops/delta/chunk.py: its
+    chunking, unit_lower_inverse, its recurrence), float32, in chunked.py's layouts."""
     mx = _mx()
     from mlxwalk.ops.delta import unit_lower_inverse
 
@@ -361,7 +361,7 @@ def op_steps(variant: str, x: dict):
 
         fn = chunked.op(run=build.launch, backend="cuda")
     elif variant == "mlx-fast":
-        from mlxwalk.ops.delta import mlx_fast as fn
+        from mlxwalk.ops.delta.mlx_fast import gated_delta as fn
     else:  # ops, scans: the environment routes the recurrence
         from mlxwalk.ops.delta import gated_delta as fn
     return (

@@ -25,11 +25,11 @@ from unittest import mock
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
+from lib import bench  # noqa: E402
 from mlx import nn  # noqa: E402
 from mlx.utils import tree_flatten, tree_map  # noqa: E402
 
 from metal_kernels import roofline  # noqa: E402
-from mlxwalk import bench  # noqa: E402
 from mlxwalk.errors import OutOfMemory  # noqa: E402
 from mlxwalk.plan import MIB  # noqa: E402
 from mlxwalk.training import adapters  # noqa: E402

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+from lib import bench
 
-from mlxwalk import bench, use_openblas
+from mlxwalk import use_openblas
 from mlxwalk.plan import cut
 from mlxwalk.walk import ChunkRunner, ExactWalk, WalkConfig, Window, one_graph, walking
 from mlxwalk.walk.taps import ChunkKV

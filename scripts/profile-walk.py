@@ -14,8 +14,9 @@ import sys
 import time
 
 import mlx.core as mx
+from lib import bench
 
-from mlxwalk import bench, use_openblas
+from mlxwalk import use_openblas
 from mlxwalk.walk import ExactWalk, WalkConfig, Window
 
 use_openblas()  # MLX's CPU matrix products on OpenBLAS (mlxwalk/_blas.py)

@@ -1,6 +1,6 @@
 """The bisection behind "largest window under a cap": exact, and never far past the answer."""
 
-from mlxwalk.bench import largest_window
+from scripts.lib.bench import largest_window
 
 
 def test_largest_window_finds_the_edge_without_probing_far_past_it():

@@ -21,11 +21,11 @@ import pytest
 from mlx import nn
 from mlx.utils import tree_flatten
 
-from mlxwalk import bench
 from mlxwalk.plan import plan_window
 from mlxwalk.training import adapters
 from mlxwalk.walk import ExactWalk, WalkConfig, Window, arch, buffers
 from mlxwalk.walk.taps import ChunkKV
+from scripts.lib import bench
 
 
 def hybrid(config: dict, trained: int, lazy: bool = False) -> nn.Module:

@@ -4,7 +4,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.gated_delta import gated_delta_ops
 
-from mlxwalk.ops.delta import _substitute, gated_delta, unit_lower_inverse
+from mlxwalk.ops.delta import gated_delta, naive_recurrent, unit_lower_inverse
+from mlxwalk.ops.delta.chunk import _substitute
 
 NAMES = ("q", "k", "v", "log_g", "beta", "state")
 
@@ -58,6 +59,21 @@ def test_values_and_gradients_match_the_per_token_path(t, hk, hv, dk, dv):
     g1 = mx.grad(objective(gated_delta), argnums=argnums)(*xs)
     for name, a, b in zip(NAMES, g1, g0):
         assert rel(a, b) < 1e-4, name
+
+
+@pytest.mark.parametrize("t, hk, hv, dk, dv", [(37, 1, 3, 16, 8), (70, 2, 4, 32, 16)])
+def test_the_naive_reference_is_the_per_token_path(t, hk, hv, dk, dv):
+    """naive.py, the package's own reference, against mlx-lm's per-token ops (values and every
+    gradient), and the chunked op against it."""
+    xs = inputs(t, hk, hv, dk, dv, seed=1)
+    (y0, s0), (y1, s1), (y2, s2) = reference(*xs), naive_recurrent(*xs), gated_delta(*xs)
+    assert rel(y1, y0) < 1e-5 and rel(s1, s0) < 1e-5
+    assert rel(y2, y1) < 1e-4 and rel(s2, s1) < 1e-4
+    argnums = list(range(6))
+    g0 = mx.grad(objective(reference), argnums=argnums)(*xs)
+    g1 = mx.grad(objective(naive_recurrent), argnums=argnums)(*xs)
+    for name, a, b in zip(NAMES, g1, g0):
+        assert rel(a, b) < 1e-5, name
 
 
 def test_bfloat16_inputs_keep_a_float32_state():

@@ -7,7 +7,8 @@ import pytest
 
 import metal_kernels.delta as delta_kernels
 from metal_kernels import build, harness
-from mlxwalk.ops import delta, delta_scan, routing
+from mlxwalk.ops import delta, routing
+from mlxwalk.ops.delta import chunk, mlx_fast, scan
 
 pytestmark = pytest.mark.slow  # compiles every kernel: `python -m pytest -m slow`
 
@@ -16,7 +17,7 @@ F32 = 1e-5
 
 @pytest.mark.parametrize("dk, chunk", [(32, 16), (64, 40), (128, 64)])
 def test_scans_match_the_ops_recurrence(on_harness, dk, chunk):
-    errors = delta_scan.kernel_vs_twin(routing.ScanCase("metal", dk, chunk))
+    errors = scan.kernel_vs_twin(routing.ScanCase("metal", dk, chunk))
     assert max(errors.values()) < F32, errors
 
 
@@ -34,20 +35,20 @@ def inputs(t=100, hk=1, hv=2, dk=32, dv=16, seed=0):
     return [q, k, v, log_g, beta, state]
 
 
-@pytest.mark.parametrize("chunk", [32, 64])
-def test_the_op_on_the_kernels_matches_the_ops(on_harness, monkeypatch, chunk):
+@pytest.mark.parametrize("size", [32, 64])
+def test_the_op_on_the_kernels_matches_the_ops(on_harness, monkeypatch, size):
     """gated_delta through the scans against its ops path: 100 positions (not a multiple of
     the chunk), several chunks, every input's gradient and the initial state's."""
-    monkeypatch.setattr(delta, "CHUNK", chunk)
+    monkeypatch.setattr(chunk, "CHUNK", size)
     x = inputs()
     cots = [
         mx.array(np.random.default_rng(1).standard_normal((1, 100, 2, 16)).astype(np.float32)),
         mx.ones((1, 2, 16, 32)),
     ]
-    assert delta_scan.use_kernel(32, chunk)
+    assert scan.use_kernel(32, size)
     got = mx.vjp(delta.gated_delta, x, cots)
     monkeypatch.setenv("MLXWALK_KERNELS", "off")
-    assert not delta_scan.use_kernel(32, chunk)
+    assert not scan.use_kernel(32, size)
     want = mx.vjp(delta.gated_delta, x, cots)
     for a, b in zip([*got[0], *got[1]], [*want[0], *want[1]]):
         err = (mx.linalg.norm((a - b).reshape(-1)) / mx.linalg.norm(b.reshape(-1))).item()
@@ -84,7 +85,7 @@ def test_mlx_renders_both_scans():
 
 def test_a_failing_scan_falls_back_with_one_line(on_harness, monkeypatch, capsys):
     monkeypatch.setattr(routing, "launch", lambda call: [a * 1.5 for a in harness.launch(call)])
-    assert not delta_scan.use_kernel(64, 16)
+    assert not scan.use_kernel(64, 16)
     err = capsys.readouterr().err
     assert err.count("\n") == 1
     assert "disagrees with the ops twin" in err and "metal delta rule key dim 64 chunk 16" in err
@@ -110,7 +111,7 @@ def test_the_harness_catches_a_broken_scan(on_harness, monkeypatch, stem, old, n
     monkeypatch.setattr(build, "source", mutated)
     build.kernel.cache_clear()
     try:
-        errors = delta_scan.kernel_vs_twin(routing.ScanCase("metal", 32, 16))
+        errors = scan.kernel_vs_twin(routing.ScanCase("metal", 32, 16))
     finally:
         monkeypatch.undo()
         build.kernel.cache_clear()
@@ -122,16 +123,16 @@ def test_delta_routing(monkeypatch):
     case = routing.ScanCase("cuda", 64, 16)
     monkeypatch.setattr(routing, "_verdicts", {case: True})
     monkeypatch.delenv("MLXWALK_KERNELS", raising=False)
-    assert not delta_scan.use_kernel(64, 16)  # CUDA: measured slower than the ops
+    assert not scan.use_kernel(64, 16)  # CUDA: measured slower than the ops
     monkeypatch.setenv("MLXWALK_KERNELS", "on")
-    assert delta_scan.use_kernel(64, 16)
-    assert not delta_scan.use_kernel(80, 16)  # a key dim the scans do not take
-    assert not delta_scan.use_kernel(64, 512)  # nor a chunk past their threadgroup memory
+    assert scan.use_kernel(64, 16)
+    assert not scan.use_kernel(80, 16)  # a key dim the scans do not take
+    assert not scan.use_kernel(64, 512)  # nor a chunk past their threadgroup memory
 
 
 def test_on_metal_slower_scans_are_not_used(on_harness, monkeypatch, capsys):
     monkeypatch.setattr(routing, "RACE", {"delta": (4, 1)})
-    assert not delta_scan.use_kernel(32, 16)  # the harness (threads on a CPU) loses to the ops
+    assert not scan.use_kernel(32, 16)  # the harness (threads on a CPU) loses to the ops
     err = capsys.readouterr().err
     assert err.startswith("mlxwalk: kernel delta took ") and err.count("\n") == 1
     assert "on metal delta rule key dim 32 chunk 16 (4 chunks, 1 value heads" in err
@@ -146,14 +147,14 @@ def test_mlx_gated_delta_update_is_checked_and_raced_on_metal(monkeypatch, capsy
     monkeypatch.setattr(routing, "RACE", {"mlx-delta": (256, 1)})
     monkeypatch.delenv("MLXWALK_KERNELS", raising=False)
     q, v = mx.zeros((1, 8, 2, 32)), mx.zeros((1, 8, 4, 16))
-    case = delta._mlx_fast_case(q, v)
-    assert delta.mlx_fast_vs_ops(case)["mlx gated_delta_update"] < 1e-5
-    assert not delta.use_mlx_fast(q, v)
+    case = mlx_fast.case_of(q, v)
+    assert mlx_fast.kernel_vs_twin(case)["mlx gated_delta_update"] < 1e-5
+    assert not mlx_fast.use(q, v)
     err = capsys.readouterr().err
     assert "gated_delta_update 2/4 heads, dims 32/16 (256 positions, batch 1" in err
     monkeypatch.setattr(routing, "_verdicts", {})
     monkeypatch.setattr(routing, "RACE", None)
-    assert delta.use_mlx_fast(q, v)  # correct, and not raced: routed
+    assert mlx_fast.use(q, v)  # correct, and not raced: routed
     x = inputs(t=50, hk=2, hv=4, dk=32, dv=16)
     a, b = mx.random.normal((2, 1, 50, 4))
     got = delta.gated_delta_update(x[0], x[1], x[2], a, b, mx.zeros((4,)), mx.zeros((4,)), x[5])

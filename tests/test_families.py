@@ -37,7 +37,7 @@ def test_each_family_is_walked_exactly(name):
 
 @pytest.mark.parametrize("name", ["tiny-qwen3_5", "tiny-qwen3_next"])
 def test_the_chunked_delta_rule_matches_mlx_lms_recurrence(name):
-    """one_graph runs the delta rule chunked (mlxwalk/ops/delta.py); mlx-lm runs it token by token.
+    """one_graph runs the delta rule chunked (mlxwalk/ops/delta/); mlx-lm runs it token by token.
     The same logits and the same gradient, to float32 rounding."""
     model, _ = mlx_lm.load(str(tiny.path(name)))
     model = prepare(model)

@@ -1,12 +1,17 @@
-"""mlxwalk.jobs: a child's marked results come back, its failures say why, its output is logged."""
+"""scripts/lib/jobs.py: a child's marked results come back, its failures say why, its output is
+logged."""
 
 import sys
+from pathlib import Path
 
-from mlxwalk import jobs
+from scripts.lib import jobs
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
 
 def child(code: str) -> list[str]:
-    return [sys.executable, "-c", f"from mlxwalk import jobs\nimport sys, time\n{code}"]
+    head = f"import sys, time\nsys.path.insert(0, {str(SCRIPTS)!r})\nfrom lib import jobs\n"
+    return [sys.executable, "-c", head + code]
 
 
 def test_a_jobs_results_come_back_and_its_output_is_logged(tmp_path):

@@ -11,6 +11,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "mlxwalk"
 LAYERS = {
     "errors": 0,
     "plan": 0,
+    "shapes": 0,
     "grading": 0,
     "ops": 1,
     "walk": 2,
@@ -25,6 +26,7 @@ LAYERS = {
 FRAMEWORK_FREE = (
     "mlxwalk.errors",
     "mlxwalk.plan",
+    "mlxwalk.shapes",
     "mlxwalk.grading",
     "mlxwalk.walk.algorithm",
     "mlxwalk.walk.window",
@@ -214,12 +216,12 @@ def test_the_plan_imports_no_array_library():
 
 
 def script_imports(torch_backend: bool):
-    """(script, module, name) for each name a script imports from mlxwalk, on the torch
-    backend's side or the rest."""
+    """(script, module, name) for each name a script imports from mlxwalk or from the scripts'
+    own helpers (scripts/lib, imported as `lib`), on the torch backend's side or the rest."""
     for script in sorted((PACKAGE.parent / "scripts").glob("*.py")):
         for node in ast.walk(ast.parse(script.read_text())):
             module = getattr(node, "module", None) or ""
-            if isinstance(node, ast.ImportFrom) and module.startswith("mlxwalk"):
+            if isinstance(node, ast.ImportFrom) and module.split(".")[0] in ("mlxwalk", "lib"):
                 if ("torch_backend" in module) == torch_backend:
                     for alias in node.names:
                         yield script.name, module, alias.name
@@ -230,6 +232,8 @@ def check_script_imports(torch_backend: bool) -> int:
 
     seen = 0
     for script, module_name, name in script_imports(torch_backend):
+        if module_name.split(".")[0] == "lib":  # scripts/lib, as the tests import it
+            module_name = f"scripts.{module_name}"
         module = importlib.import_module(module_name)
         found = hasattr(module, name) or importlib.util.find_spec(f"{module_name}.{name}")
         assert found, f"{script}: {module_name} has no {name}"
@@ -238,7 +242,8 @@ def check_script_imports(torch_backend: bool) -> int:
 
 
 def test_every_script_imports_what_exists():
-    """The scripts run outside the suite: each name they import from mlxwalk must be there."""
+    """The scripts run outside the suite: each name they import from mlxwalk or scripts/lib
+    must be there."""
     assert check_script_imports(torch_backend=False) > 20
 
 

@@ -8,13 +8,14 @@ import numpy as np
 import pytest
 from mlx import nn
 
-from mlxwalk import bench, tiny, window_gradient
+from mlxwalk import tiny, window_gradient
 from mlxwalk.commands.walk_exact import prepare
 from mlxwalk.grading import compare
 from mlxwalk.ops.products import DequantizedLinear, dequantized_matmul, dequantized_products
 from mlxwalk.walk.algorithm import LOSS_BLOCK
 from mlxwalk.walk.arch import Head
 from mlxwalk.walk.loss import head_loss
+from scripts.lib import bench
 
 
 def rel(a: mx.array, b: mx.array) -> float:

@@ -14,7 +14,7 @@ import pytest
 from metal_kernels import roofline
 from metal_kernels.attention import traffic as attention_traffic
 from metal_kernels.delta import traffic as delta_traffic
-from mlxwalk import bench
+from scripts.lib import bench
 
 GPU = roofline.M1_7CORE
 WALKS = [("qwen2-0.5b", 65536), ("llama3-8b", 65536), ("qwen3_5-27b", 67584)]

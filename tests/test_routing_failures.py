@@ -13,8 +13,9 @@ import pytest
 
 from metal_kernels import build
 from metal_kernels.delta import chunked
-from mlxwalk.ops import attention, delta, delta_chunked, delta_recurrence, delta_scan, routing
+from mlxwalk.ops import attention, delta, routing
 from mlxwalk.ops.attention import check, chunk_attention, kernel, twin
+from mlxwalk.ops.delta import chunk_kernel, mlx_fast, recurrence, scan
 
 ALLOC = "[metal::Device] Unable to allocate 268435456 bytes"
 
@@ -27,8 +28,8 @@ def gpu(monkeypatch):
     monkeypatch.setattr(routing, "_verdicts", {})
     monkeypatch.setattr(routing, "_ran", {})
     monkeypatch.setattr(routing, "RACE", None)
-    monkeypatch.setattr(delta_scan, "use_kernel", lambda dk, chunk: False)
-    monkeypatch.setattr(delta, "use_mlx_fast", lambda q, v: False)
+    monkeypatch.setattr(scan, "use_kernel", lambda dk, chunk: False)
+    monkeypatch.setattr(mlx_fast, "use", lambda q, v: False)
     monkeypatch.delenv("MLXWALK_KERNELS", raising=False)
 
 
@@ -83,7 +84,7 @@ class Chunked:
 
     @staticmethod
     def run(t: int) -> list[mx.array]:
-        (q, k, v, _, b, state), cots = delta_chunked.layer(mx.float32, 1, 2, 64, 64, t)
+        (q, k, v, _, b, state), cots = chunk_kernel.layer(mx.float32, 1, 2, 64, 64, t)
         a, a_log, dt_bias = normal(1, t, 2, seed=4), mx.zeros((2,)), mx.zeros((2,))
 
         def layer(q, k, v, state):
@@ -248,23 +249,23 @@ def test_a_failure_that_shows_only_when_evaluated(gpu, monkeypatch, capsys, op):
 def test_the_scans_fail_later_at_another_size(gpu, monkeypatch, capsys):
     """The delta rule's scan kernels (their verdict given, as on a GPU): a call at a new chunk
     count that raises runs the ops recurrence, forward and backward, with one line."""
-    monkeypatch.setattr(delta_scan, "use_kernel", lambda dk, chunk: True)
-    monkeypatch.setattr(delta_chunked, "use", lambda *a: False)
+    monkeypatch.setattr(scan, "use_kernel", lambda dk, chunk: True)
+    monkeypatch.setattr(chunk_kernel, "use", lambda *a: False)
     monkeypatch.setattr(routing, "_verdicts", {routing.ScanCase("metal", 64, 64): True})
     calls = []
 
-    def scan(f, s, keep=True):  # the forward's (no gradient)
+    def failing_scan(f, s, keep=True):  # the forward's (no gradient)
         calls.append(("scan", f.u0.shape[0]))
         if f.u0.shape[0] == 3:  # three chunks
             raise RuntimeError(ALLOC)
-        return delta_recurrence.walk(f, s, keep)
+        return recurrence.walk(f, s, keep)
 
-    def recurrence(f, s):  # the backward's (differentiable)
+    def counted_recurrence(f, s):  # the backward's (differentiable)
         calls.append(("recurrence", f.u0.shape[0]))
-        return delta_recurrence.recurrence(f, s)
+        return recurrence.recurrence(f, s)
 
-    monkeypatch.setattr(delta_scan, "scan", scan)
-    monkeypatch.setattr(delta_scan, "recurrence", recurrence)
+    monkeypatch.setattr(scan, "scan", failing_scan)
+    monkeypatch.setattr(scan, "recurrence", counted_recurrence)
     Chunked.run(70)  # two chunks of 64
     assert ("scan", 2) in calls and ("recurrence", 2) in calls
     assert capsys.readouterr().err == ""

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.torch
 import mlx.core as mx  # noqa: E402
 import torch  # noqa: E402
 
-from mlxwalk.ops import delta as mlx_delta  # noqa: E402
+from mlxwalk.ops.delta import chunk as mlx_chunk  # noqa: E402
 from mlxwalk.torch_backend import delta  # noqa: E402
 
 
@@ -72,7 +72,7 @@ def test_matches_the_per_token_recurrence(chunk):
 
 
 def test_matches_the_mlx_op():
-    """The same inputs through mlxwalk/ops/delta.py: one algorithm, two frameworks."""
+    """The same inputs through mlxwalk/ops/delta/chunk.py: one algorithm, two frameworks."""
     xs = arrays(t=90)
     rng = np.random.default_rng(2)
     cots = [
@@ -80,13 +80,13 @@ def test_matches_the_mlx_op():
         rng.standard_normal((1, 4, 16, 32)).astype(np.float32),
     ]
     got = grads(lambda *a: delta.gated_delta(*a, chunk=32), xs, cots)
-    mlx_delta.CHUNK = 32
+    mlx_chunk.CHUNK = 32
     try:
         (y, s), vjps = mx.vjp(
-            mlx_delta.gated_delta, [mx.array(x) for x in xs], [mx.array(c) for c in cots]
+            mlx_chunk.gated_delta, [mx.array(x) for x in xs], [mx.array(c) for c in cots]
         )
     finally:
-        mlx_delta.CHUNK = None
+        mlx_chunk.CHUNK = None
     want = [np.array(y), np.array(s)] + [np.array(g) for g in vjps]
     for a, b in zip(got, want):
         assert rel(a, b) < 1e-5

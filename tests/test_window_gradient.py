@@ -192,8 +192,8 @@ def test_dropout_draws_the_same_masks_in_a_chunks_decode_and_its_graph(qwen2, mo
 def test_exact_after_mlx_lm_grad_checkpoint_patched_the_layer_class(qwen2, monkeypatch):
     """mlx-lm's grad_checkpoint replaces the layer class's call with an mx.checkpoint that would
     hold the taps as constants; the walk runs the call beneath it."""
-    from mlxwalk import bench
     from mlxwalk.walk import taps
+    from scripts.lib import bench
 
     monkeypatch.setattr(taps, "_walk_classes", {})  # no walk class made before the patch
     w = np.ones(N)

@@ -1,6 +1,6 @@
 """How the delta-rule scan kernels are called.
 
-The chunked gated delta rule (mlxwalk/ops/delta.py) is parallel over its chunks but for the
+The chunked gated delta rule (mlxwalk/ops/delta/chunk.py) is parallel over its chunks but for the
 state they carry; these two kernels are that sequential part, one launch each way instead of
 several per chunk:
   scan:      forward; every chunk's output, the state entering every chunk, the final state;

@@ -21,7 +21,7 @@ log_g = 0). FLA's decomposition (flash-linear-attention's chunk_gated_delta_rule
                T = (I + A)^-1 with dA = -T^T dT T^T (strictly lower) to dk, dbeta, d cum; then
                dlog_g = the reverse cumsum of d cum within the chunk.
 The backward recomputes prepare and states (activation checkpointing: nothing but the inputs is
-kept between forward and backward). Inputs are the ops twin's (mlxwalk/ops/delta.py's
+kept between forward and backward). Inputs are the ops twin's (mlxwalk/ops/delta/chunk.py's
 `gated_delta_chunked`): q, k (B, L, HK, DK) and v (B, L, HV, DV) in float32, float16 or
 bfloat16; log_g, beta (B, L, HV) and the state (B, HV, DV, DK) float32. Every kernel computes in
 float32; y goes back in q's dtype, each gradient in its input's.

@@ -1,5 +1,5 @@
-// The gated delta rule's chunk recurrence, forward (mlxwalk/ops/delta.py's _walk_chunks): for
-// every chunk i in order, with S the state entering it,
+// The gated delta rule's chunk recurrence, forward (mlxwalk/ops/delta/recurrence.py's
+// _walk_chunks): for every chunk i in order, with S the state entering it,
 //   x = u0 - w S^T,   o = qg S^T + p x,   S <- g_end S + x^T kd.
 // Each row d of S only ever meets column d of u0, x and o, so rows run independently.
 // u0 (N, H, C, DV); w, qg, kd (N, H, C, DK); p (N, H, C, C); g_end (N, H); s0 (H, DV, DK),

@@ -1,5 +1,5 @@
-// The chunk recurrence's adjoint (mlxwalk/ops/delta.py's _recurrence_vjp), walked in reverse:
-// with dS the adjoint of the state leaving chunk i, S the state entering it and do = dL/do,
+// The chunk recurrence's adjoint (mlxwalk/ops/delta/recurrence.py's _recurrence_vjp), walked
+// in reverse: with dS the adjoint of the state leaving chunk i, S the state entering it and do = dL/do,
 //   du = p^T do + kd dS^T,   dS <- g_end dS + do^T qg - du^T w.
 // Row d of dS meets column d of do and du only, so rows run independently. Every other gradient
 // is a product over the chunks in parallel, left to MLX given dS and du per chunk.

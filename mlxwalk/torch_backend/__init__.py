@@ -6,7 +6,7 @@ run's data, windows and report.
   cache.py       the transformers Cache the model reads the store and the states through
   attention.py   a chunk's attention over the prefix (FlashAttention / SDPA, lower-right causal)
   recurrent.py   which gated delta rule a hybrid's layers run (mlxwalk's, flash-linear-attention's)
-  delta.py       the gated delta rule, chunked (the WY form of mlxwalk/ops/delta.py) with a
+  delta.py       the gated delta rule, chunked (the WY form of mlxwalk/ops/delta/chunk.py) with a
                  recomputing backward
   model.py       loading, the PEFT adapter, the footprint, the bundled tiny models for transformers
   exactness.py   `mlxwalk test-walk-exact --backend torch`

@@ -1,5 +1,5 @@
-"""The gated delta rule, chunked, in torch: mlxwalk/ops/delta.py's algorithm (see its docstring
-for the WY form) with the same contract, for the torch backend.
+"""The gated delta rule, chunked, in torch: mlxwalk/ops/delta/chunk.py's algorithm (see its
+docstring for the WY form) with the same contract, for the torch backend.
 
 Per value head, with S the (Dv x Dk) state, g_t in (0, 1] the decay and beta_t the write strength:
     S_t = g_t S_{t-1} + beta_t (v_t - g_t S_{t-1} k_t) k_t^T,    o_t = S_t q_t.

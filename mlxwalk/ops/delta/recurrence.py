@@ -1,6 +1,6 @@
-"""The gated delta rule's chunk recurrence in MLX ops: the state carried through the chunks, and
-its adjoint walked in reverse. The reference and the fallback of the scan kernels
-(delta_scan.py), and the CPU path; delta.py builds the chunk factors it consumes."""
+"""The chunked rule's sequential part in MLX ops: the state carried from chunk to chunk, and its
+adjoint walked in reverse. The reference and the fallback of the scan kernels (scan.py), and the
+CPU path; chunk.py builds the chunk factors it consumes."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import mlx.core as mx
 
 
 class Factors(NamedTuple):
-    """The chunk factors delta.py builds and the sequential part consumes, each
+    """The chunk factors chunk.py builds and the sequential part consumes, each
     (n chunks, B, Hk, r, c, ...): r value heads per key head, c positions per chunk."""
 
     u0: mx.array  # (..., c, Dv): the chunk's writes T diag(beta) V, before the state's share

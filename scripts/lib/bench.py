@@ -1,5 +1,6 @@
 """Measurements side by side in one process: the walks, one graph, and mlx-lm's own training step
-(`default_loss` through `nn.value_and_grad`, with and without its `grad_checkpoint`)."""
+(`default_loss` through `nn.value_and_grad`, with and without its `grad_checkpoint`); random
+models of mlxwalk.shapes' shapes (`shaped`)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 
-from .walk import WalkConfig, Window, train_window, window_gradient
+from mlxwalk.shapes import SHAPES  # the scripts read them as bench.SHAPES
+from mlxwalk.walk import WalkConfig, Window, train_window, window_gradient
 
 MIB = 1 << 20
 WALKS = ("one-graph", "exact", "plain")
@@ -128,7 +130,7 @@ def one_graph_step(model, optimizer, window: int) -> Callable[[], None]:
     win = Window.of(ids[:-1], ids[1:], np.ones(window))
 
     def run():
-        from .walk import one_graph
+        from mlxwalk.walk import one_graph
 
         _, grads = one_graph(model, win)
         optimizer.update(model, grads)
@@ -243,85 +245,9 @@ def random_bf16(p: mx.array) -> mx.array:
     )
 
 
-# Realistic shapes with random weights, for the device measurements (scripts/bench-device.py,
-# scripts/profile-*); `small` shrinks every dimension to check a script on a CPU.
-SHAPES = {
-    "qwen2-0.5b": dict(
-        model_type="qwen2",
-        hidden_size=896,
-        num_hidden_layers=24,
-        intermediate_size=4864,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        vocab_size=151936,
-        rms_norm_eps=1e-6,
-        rope_theta=1000000.0,
-        max_position_embeddings=131072,
-        tie_word_embeddings=True,
-    ),
-    "qwen3_5-0.8b": dict(
-        model_type="qwen3_5",
-        hidden_size=1024,
-        num_hidden_layers=24,
-        intermediate_size=3584,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=256,
-        vocab_size=248320,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=262144,
-        tie_word_embeddings=True,
-        full_attention_interval=4,
-        linear_num_key_heads=16,
-        linear_num_value_heads=16,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        linear_conv_kernel_dim=4,
-        rope_parameters={
-            "rope_type": "default",
-            "rope_theta": 10000000.0,
-            "partial_rotary_factor": 0.25,
-        },
-    ),
-    "llama3-8b": dict(
-        model_type="llama",
-        hidden_size=4096,
-        num_hidden_layers=32,
-        intermediate_size=14336,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        vocab_size=128256,
-        rms_norm_eps=1e-5,
-        rope_theta=500000.0,
-        max_position_embeddings=131072,
-        tie_word_embeddings=False,
-    ),
-    "qwen3_5-27b": dict(
-        model_type="qwen3_5",
-        hidden_size=5120,
-        num_hidden_layers=64,
-        intermediate_size=17408,
-        num_attention_heads=24,
-        num_key_value_heads=4,
-        head_dim=256,
-        vocab_size=248320,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=262144,
-        tie_word_embeddings=False,
-        full_attention_interval=4,
-        linear_num_key_heads=16,
-        linear_num_value_heads=48,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        linear_conv_kernel_dim=4,
-        rope_parameters={
-            "rope_type": "default",
-            "rope_theta": 10000000.0,
-            "partial_rotary_factor": 0.25,
-        },
-    ),
-}
+# Realistic shapes (mlxwalk/shapes.py) with random weights, for the device measurements
+# (scripts/bench-device.py, scripts/profile-*); `small` shrinks every dimension to check a script
+# on a CPU.
 SMALL = dict(hidden_size=128, num_hidden_layers=4, intermediate_size=256, vocab_size=512)
 
 
@@ -332,7 +258,7 @@ def shaped(name: str, small: bool = False, bits: int | None = None):
 
     from mlx.utils import tree_flatten, tree_map
 
-    from .training import adapters
+    from mlxwalk.training import adapters
 
     cfg = dict(SHAPES[name])
     if small:

@@ -1,7 +1,7 @@
 """The gated delta rule on its chunked kernels (metal_kernels/delta/chunked.py: FLA's
 decomposition on the matrix units, forward and backward), and where they run: self-checked per
-case (a layer's dtype, heads and dim) against the ops twin (`delta.gated_delta`) on a small case,
-every gradient included; on Metal raced against the ops at first use; on CUDA where measured
+case (a layer's dtype, heads and dim) against the ops twin (chunk.py's `gated_delta`) on a small
+case, every gradient included; on Metal raced against the ops at first use; on CUDA where measured
 faster (`CUDA_CHUNKED`) or with MLXWALK_KERNELS=on."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import numpy as np
 
 from metal_kernels.delta import chunked
 
-from . import routing
+from .. import routing
 
 # The input dtypes for which `auto` on CUDA takes the kernels: on the H200 one Qwen3.5 layer's
 # forward+backward in bf16 took 5.6 / 17.3 / 49.4 ms at 4K / 16K / 64K against the ops' 37 / 120 /
@@ -86,3 +86,32 @@ def race(case: routing.ChunkedDeltaCase, size: tuple[int, int], twin) -> tuple[f
         routing.seconds(lambda f=f: mx.eval(mx.vjp(f, x, cots))) for f in (op(), twin)
     )
     return kernels_s, ops_s
+
+
+def guarded(case: routing.ChunkedDeltaCase, q: mx.array, v: mx.array, twin):
+    """The kernels' gated delta rule (op()'s pair, forward and backward), each falling back to
+    the ops' `twin` where it fails (routing.guard)."""
+    run, where = routing.launch, routing.backend()
+    size = f"{q.shape[1]} positions, batch {q.shape[0]}, {v.shape[-2]} value heads"
+
+    @mx.custom_function
+    def kernels(*x):
+        return routing.guard(
+            case,
+            "delta/chunked",
+            size,
+            lambda: chunked.forward(*x, run=run, backend=where),
+            lambda: twin(*x),
+        )
+
+    @kernels.vjp
+    def _kernels_vjp(primals, cotangents, outputs):
+        return routing.guard(
+            case,
+            "delta/chunked backward",
+            size,
+            lambda: chunked.backward(*primals, *cotangents, run=run, backend=where),
+            lambda: tuple(mx.vjp(twin, list(primals), list(cotangents))[1]),
+        )
+
+    return kernels

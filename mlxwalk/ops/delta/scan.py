@@ -1,7 +1,7 @@
-"""The gated delta rule's recurrence on the scan kernels (metal_kernels/delta), behind a custom
+"""The chunked rule's sequential part on the scan kernels (metal_kernels/delta), behind a custom
 function whose VJP runs the reverse scan and leaves the per-chunk products to MLX; where the scans
-run (self-checked against the ops recurrence per key dim and chunk; on CUDA only when forced,
-measured slower; on Metal raced at first use)."""
+run (self-checked against recurrence.py's ops per key dim and chunk; on CUDA only when forced,
+measured slower; on Metal raced at first use), and `sequential`, which picks between the two."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import numpy as np
 
 import metal_kernels.delta as delta_kernels
 
-from . import routing
-from .delta_recurrence import Factors, _recurrence_with_states
+from .. import routing
+from . import recurrence as ops_recurrence
+from .recurrence import Factors, _recurrence_with_states
 
 
 def _flat(x: mx.array) -> mx.array:
@@ -148,3 +149,62 @@ def kernel_vs_twin(case: routing.ScanCase, n: int = 3, dv: int = 32) -> dict[str
         "delta/scan": max(routing.relative_error(a, b) for a, b in zip(got[0], want[0])),
         "delta/scan_back": max(routing.relative_error(a, b) for a, b in zip(got[1], want[1])),
     }
+
+
+def sequential(f: Factors, s: mx.array, differentiable: bool = True):
+    """The chunked rule's sequential part: (outputs, exit state) of the chunk recurrence, entry
+    states kept for the VJP only. On the scan kernels where they apply, else recurrence.py's ops
+    (MLXWALK_KERNELS=check: the two compared, the ops' result goes on); `differentiable` False
+    for a forward that keeps no entry state (the recomputing VJP's first pass)."""
+    if use_kernel(f.w.shape[-1], f.u0.shape[-2]):
+        case = routing.ScanCase(routing.backend(), f.w.shape[-1], f.u0.shape[-2])
+        size = f"{f.u0.shape[0]} chunks, {f.u0.shape[1] * f.u0.shape[2] * f.u0.shape[3]} heads"
+        if routing.mode() != "check":
+            if not differentiable:
+                return routing.guard(
+                    case,
+                    "delta/scan",
+                    size,
+                    lambda: scan(f, s, keep=False)[:2],
+                    lambda: ops_recurrence.walk(f, s, keep=False)[:2],
+                )
+            return _guarded_scans(case, size)(*f, s)[:2]
+        got = scan(f, s, keep=False)[:2]
+        want = ops_recurrence.walk(f, s, keep=False)[:2]
+        routing.compare(got, want, case, "delta/scan")
+    if not differentiable:
+        return ops_recurrence.walk(f, s, keep=False)[:2]
+    return ops_recurrence.recurrence(f, s)[:2]
+
+
+def _guarded_scans(case: routing.ScanCase, size: str):
+    """The scan kernels' recurrence (outputs, exit state, entry states), forward and backward
+    each falling back to the ops recurrence where it fails (routing.guard). The backward goes
+    through the kernels' own VJP, which recomputes their forward scan."""
+
+    @mx.custom_function
+    def scans(*x):
+        return routing.guard(
+            case,
+            "delta/scan",
+            size,
+            lambda: recurrence(Factors(*x[:6]), x[6]),
+            lambda: ops_recurrence.recurrence(Factors(*x[:6]), x[6]),
+        )
+
+    @scans.vjp
+    def _scans_vjp(primals, cotangents, outputs):
+        def through(f):
+            return lambda: tuple(
+                mx.vjp(lambda *x: f(Factors(*x[:6]), x[6]), list(primals), list(cotangents))[1]
+            )
+
+        return routing.guard(
+            case,
+            "delta/scan_back",
+            size,
+            through(recurrence),
+            through(ops_recurrence.recurrence),
+        )
+
+    return scans

@@ -1,0 +1,85 @@
+"""Representative model shapes as mlx-lm config dicts: `mlxwalk kernels`' shapes without a model
+(survey.py), and the random-weight models of the scripts' device measurements (scripts/lib/bench.py
+builds them). Plain data, no array library."""
+
+from __future__ import annotations
+
+# Qwen2.5-0.5B (attention at head dim 64), Qwen3.5-0.8B and -27B (hybrids: full attention every
+# 4th layer, gated delta-net layers between) and Llama-3-8B (head dim 128).
+SHAPES: dict[str, dict] = {
+    "qwen2-0.5b": dict(
+        model_type="qwen2",
+        hidden_size=896,
+        num_hidden_layers=24,
+        intermediate_size=4864,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=131072,
+        tie_word_embeddings=True,
+    ),
+    "qwen3_5-0.8b": dict(
+        model_type="qwen3_5",
+        hidden_size=1024,
+        num_hidden_layers=24,
+        intermediate_size=3584,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=256,
+        vocab_size=248320,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=262144,
+        tie_word_embeddings=True,
+        full_attention_interval=4,
+        linear_num_key_heads=16,
+        linear_num_value_heads=16,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000000.0,
+            "partial_rotary_factor": 0.25,
+        },
+    ),
+    "llama3-8b": dict(
+        model_type="llama",
+        hidden_size=4096,
+        num_hidden_layers=32,
+        intermediate_size=14336,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        max_position_embeddings=131072,
+        tie_word_embeddings=False,
+    ),
+    "qwen3_5-27b": dict(
+        model_type="qwen3_5",
+        hidden_size=5120,
+        num_hidden_layers=64,
+        intermediate_size=17408,
+        num_attention_heads=24,
+        num_key_value_heads=4,
+        head_dim=256,
+        vocab_size=248320,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=262144,
+        tie_word_embeddings=False,
+        full_attention_interval=4,
+        linear_num_key_heads=16,
+        linear_num_value_heads=48,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000000.0,
+            "partial_rotary_factor": 0.25,
+        },
+    ),
+}
