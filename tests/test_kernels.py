@@ -496,3 +496,61 @@ def test_test_walk_exact_through_the_metal_kernels_on_the_harness(on_harness, ca
     out = capsys.readouterr().out
     assert "test-walk-exact: every row OK" in out
     assert "kernels: metal float32 head dim 64 GQA 2" in out
+
+
+def test_a_launch_split_over_kv_heads_changes_no_bit(on_harness, monkeypatch):
+    """A launch past the roofline's limit runs as one per group of K/V heads (each head alone
+    either way): forced here into 3 groups of the 4 K/V heads (1, 1 and 2), every output
+    bit-equal to the one launch's, taps and all. A group that dropped or shifted a head
+    (or a query-head slice off its K/V group) would not be."""
+    from metal_kernels import roofline
+    from mlxwalk.ops.attention import kernel
+
+    mx.random.seed(4)
+    q, d_out = mx.random.normal((2, 1, 8, 19, 64))  # 8 query heads over 4 K/V heads
+    k, v = mx.random.normal((2, 1, 4, 19, 64))
+    store = check.Store(*mx.random.normal((2, 1, 4, 50, 64)))
+    x = {
+        "q": q,
+        "k": k,
+        "v": v,
+        "prefix": Prefix(store, 0, 40, mx.float32),
+        "grad_from": 13,
+        "scale": 0.125,
+        "d_out": d_out,
+    }
+    whole = check.through("kernel", x)
+    calls = []
+    launch = routing.launch
+    monkeypatch.setattr(routing, "launch", lambda call: calls.append(call) or launch(call))
+    layer = roofline.attention(8, 4, 64, 19, 40, 13, mx.float32, mx.float32)
+    slowest = max(x.seconds(roofline.M1_7CORE) for x in layer)
+    monkeypatch.setattr(roofline, "LIMIT_S", slowest / 2.5)  # 3 launches each
+    assert len(kernel.head_groups(("dq", "dkdv"), q, k, store.keys[0], 40, 13)) == 3
+    split = check.through("kernel", x)
+    assert len(calls) == 9  # forward, dq and dkdv, 3 groups each
+    for name in check.OUTPUTS:
+        assert mx.array_equal(split[name], whole[name]).item(), name
+
+
+@pytest.mark.parametrize("shape, window", [("qwen3_5-27b", 67584), ("llama3-8b", 65536)])
+def test_no_attention_launch_of_a_64k_walk_is_past_the_limit(shape, window):
+    """The last chunk's launches (the largest: every prefix key tapped) at the 27B and 8B shapes,
+    each group's under roofline.LIMIT_S on the smallest M-series GPU once split as the kernel
+    path splits them."""
+    from metal_kernels import roofline
+    from mlxwalk.ops.attention import kernel
+    from mlxwalk.shapes import SHAPES
+
+    cfg = SHAPES[shape]
+    hq, hkv, dim = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    start = (window - 1) // 2048 * 2048
+    for kernels in (("forward",), ("dq", "dkdv")):
+        groups = kernel.launches_needed(
+            kernels, 1, hq, hkv, dim, 2048, start, 0, mx.bfloat16, mx.bfloat16
+        )
+        largest = -(-hkv // groups)  # K/V heads in the largest group
+        layer = roofline.attention(hq // hkv * largest, largest, dim, 2048, start, 0)
+        for launch in layer:
+            if launch.kernel.split("/")[1] in kernels:
+                assert launch.seconds(roofline.M1_7CORE) <= roofline.LIMIT_S, (shape, launch)
