@@ -17,6 +17,9 @@ Rows (numbered after the reference system's acceptance test):
   (7b) recompute from a recorded forward (no inputs kept) vs not
   (8)  LoRA on the upper half of the layers only, recompute: exact vs one graph
   (8b) the same, the output of the frozen layers beneath (the stem) kept
+  (9)  DPO on a pair (the window as the chosen answer's, the same prompt with other answer ids
+       as the rejected one's; answers labelled, the reference the adapter off): the exact walk
+       and the plain walk vs one graph (preference/rewards.py's weights on both walks)
 The adapter is moved to a random nonzero point first, so every LoRA gradient is nonzero.
 """
 
@@ -40,6 +43,12 @@ from .grading import (
     flat,
 )
 from .plan import MIB, OutOfMemory
+from .preference.rewards import Scores, terms
+
+# Row (9)'s beta, DPO's usual (mlx-lm-lora's default). The pair's weight beta sigmoid(-margin)
+# carries the margin's float32 rounding, beta n times the mean loss's (n the answer's tokens):
+# at beta 0.5 the torch qwen3_next row read 3.4e-5 with each window's gradient at 1.4e-6.
+DPO_BETA = 0.1
 
 
 @dataclass(frozen=True)
@@ -58,6 +67,7 @@ class Setting:
     # "recorded" forward, the "stem"'s output ("": not rebuilt)
     recompute: str = ""
     upper_half: bool = False  # only the upper half of the layers' adapters train
+    objective: str = "tokens"  # the window's mean loss, or "dpo": the table's pair's DPO loss
 
 
 @dataclass(frozen=True)
@@ -77,6 +87,8 @@ EVERY = Setting()
 ONE = Setting(walk="one-graph", whole=True)
 REFUSAL = Spec("(3)", "host budget of 1 byte", "refused, adapter untouched")
 STRIDED = Spec("(4)", "3/4 checkpoint budget: stride {stride}, {held:.2f} vs {free:.2f} MiB", EXACT)
+DPO = Setting(labels="reply", objective="dpo")
+DPO_ONE = Setting(walk="one-graph", labels="reply", whole=True, objective="dpo")
 STORES = {"float16": FLOAT16_STORE, "bfloat16": BFLOAT16_STORE, "q8": Q8_STORE}
 ROWS = (
     Spec("(1)", "every position labelled, {k} chunks: exact vs one graph", EXACT, EVERY, ONE),
@@ -136,6 +148,14 @@ ROWS = (
         Setting(recompute="stem", upper_half=True),
         Setting(walk="one-graph", whole=True, upper_half=True),
     ),
+    Spec("(9)", "DPO pair, answers labelled, {k} chunks: exact vs one graph", EXACT, DPO, DPO_ONE),
+    Spec(
+        "(9)",
+        "DPO pair, answers labelled: plain vs one graph",
+        TELLS_APART,
+        Setting(walk="plain", labels="reply", objective="dpo"),
+        DPO_ONE,
+    ),
 )
 
 
@@ -174,6 +194,9 @@ class ExactnessTable:
         rng = np.random.default_rng(0)
         ids = rng.integers(0, vocab, window + 1)  # ids the model has
         self.x, self.y = ids[:-1], ids[1:]
+        # row (9)'s rejected answer: the same prompt (the first half), other answer ids
+        other = np.r_[ids[: window // 2 + 1], rng.integers(0, vocab, window - window // 2)]
+        self.rejected = other[:-1], other[1:]
         self.rows: list[Row] = []
         self.grads: dict[Setting, object] = {}  # each setting walked once
 
@@ -194,8 +217,21 @@ class ExactnessTable:
             if setting.labels == "reply":
                 weights = np.r_[np.zeros(self.n // 2), np.ones(self.n - self.n // 2)]
             chunk = self.n if setting.whole else self.chunk
-            self.grads[setting] = self.walked(setting, weights, chunk)
+            if setting.objective == "dpo":
+                self.grads[setting] = self.pair_gradient(setting, weights, chunk)
+            else:
+                self.grads[setting] = self.walked(setting, weights, chunk, (self.x, self.y))[1]
         return self.grads[setting]
+
+    def pair_gradient(self, setting: Setting, weights: np.ndarray, chunk: int) -> np.ndarray:
+        """Row (9): DPO's gradient of the table's pair, flat. Each answer's window walked under
+        `setting` for its mean loss's gradient g; the pair's is c (n_c g_c - n_r g_r) with
+        c = beta sigmoid(-margin), the margin from those losses and the adapter-off ones."""
+        n, sides = float(weights.sum()), [(self.x, self.y), self.rejected]
+        reference = Scores(*(-self.reference_loss(ids, weights) * n for ids in sides))
+        (loss_c, g_c), (loss_r, g_r) = (self.walked(setting, weights, chunk, i) for i in sides)
+        t = terms(Scores(-loss_c * n, -loss_r * n), reference, DPO_BETA)
+        return t.weight * n * (flat(g_c) - flat(g_r))
 
     def compared(self, spec: Spec) -> Row | None:
         """The row, or None where this backend has no such walk; an error is the row's FAILED
@@ -255,8 +291,13 @@ class ExactnessTable:
         out); a reason: not on this model (the row says so)."""
         raise NotImplementedError
 
-    def walked(self, setting: Setting, weights: np.ndarray, chunk: int):
-        """The adapter's gradient (a tree of arrays) of the window's walk under `setting`."""
+    def walked(self, setting: Setting, weights: np.ndarray, chunk: int, ids: tuple):
+        """(mean loss, the adapter's gradient as a tree of arrays) of the walk under `setting`
+        of the window `ids` (inputs, targets) with `weights`."""
+        raise NotImplementedError
+
+    def reference_loss(self, ids: tuple, weights: np.ndarray) -> float:
+        """The window `ids`'s mean loss with the adapter off (row (9)'s DPO reference)."""
         raise NotImplementedError
 
     def planned(self, host_budget_mib: float | None, run: bool = True):

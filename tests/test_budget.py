@@ -72,7 +72,7 @@ def test_strict_exact_refuses_what_the_budget_would_narrow(measured):
 
 def test_narrowing_shows_on_the_progress_line_and_the_epoch_line(capsys):
     from mlxwalk.training import report
-    from mlxwalk.training.run import Epoch
+    from mlxwalk.training.report import Epoch
 
     bar = report.progress(2, enabled=True)
     bar.lines, bar.live = True, False

@@ -41,10 +41,16 @@ class Planted(ExactnessTable):
     def offers(self, setting):
         return self.offered(setting)
 
-    def walked(self, setting, weights, chunk):
-        self.walks.append(setting)
+    def walked(self, setting, weights, chunk, ids):
+        chosen = ids[0] is self.x  # else row (9)'s rejected answer
+        self.walks.append((setting, chosen))
         grads = PLAIN if setting.walk == "plain" else REFERENCE
-        return {"a": grads["a"] * (0.9999 if setting in self.off else 1.0)}
+        side = 1.0 if chosen else 1.3  # the pair's two answers differ
+        loss = 2.0 + side + (0.3 if setting.walk == "plain" else 0.0)
+        return loss, {"a": grads["a"] * side * (0.9999 if setting in self.off else 1.0)}
+
+    def reference_loss(self, ids, weights):
+        return 2.5 if ids[0] is self.x else 3.1
 
     def planned(self, host_budget_mib, run=True):
         if host_budget_mib is None:
@@ -69,7 +75,7 @@ def rows_of(table):
 def test_a_backend_runs_the_rows_it_offers_in_the_tables_order():
     table = Planted(offers=lambda s: s.attention == "auto" and not s.recompute)
     rows = table.run()
-    want = ["(1)", "(1)", "(1b)", "(1b)", "(1b)", "(1c)", "(1c)", "(2)", "(3)"]
+    want = ["(1)", "(1)", "(1b)", "(1b)", "(1b)", "(1c)", "(1c)", "(2)", "(3)", "(9)", "(9)"]
     assert [r.row for r in rows] == want and all(r.ok for r in rows)
     assert rows[2].what == "float16 store: exact vs float32 one graph"
     assert len(set(table.walks)) == len(table.walks), "a setting walked twice"

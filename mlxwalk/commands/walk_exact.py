@@ -17,7 +17,16 @@ from mlx import nn
 from mlx.utils import tree_flatten, tree_map
 
 from ..exactness import ExactnessTable, Setting, print_tables
-from ..walk import ExactWalk, WalkConfig, Window, arch, train_window, window_gradient
+from ..preference.dpo import adapter_off
+from ..walk import (
+    ExactWalk,
+    WalkConfig,
+    Window,
+    arch,
+    train_window,
+    window_gradient,
+    window_loss,
+)
 from ..walk.store import q8_fits
 from . import torch_module
 
@@ -80,13 +89,12 @@ class Table(ExactnessTable):
             return f"head dimension {', '.join(map(str, self.layout.head_dims))}"
         return True
 
-    def walked(self, setting: Setting, weights: np.ndarray, chunk: int):
+    def walked(self, setting: Setting, weights: np.ndarray, chunk: int, ids: tuple):
         upper = upper_layers_only(self.model, self.layers // 2) if setting.upper_half else None
         with upper or nullcontext():
-            return window_gradient(
+            loss, grads = window_gradient(
                 self.model,
-                self.x,
-                self.y,
+                *ids,
                 weights,
                 chunk=chunk,
                 walk=setting.walk,
@@ -95,7 +103,12 @@ class Table(ExactnessTable):
                 attention=setting.attention,
                 recompute=bool(setting.recompute),
                 keep_inputs=KEEP_INPUTS[setting.recompute],
-            )[1]
+            )
+            return float(loss), grads
+
+    def reference_loss(self, ids: tuple, weights: np.ndarray) -> float:
+        with adapter_off(self.model):
+            return float(window_loss(self.model, Window.of(*ids, weights), WalkConfig(self.chunk)))
 
     def planned(self, host_budget_mib: float | None, run: bool = True):
         window = Window.of(self.x, self.y, np.ones(self.n))

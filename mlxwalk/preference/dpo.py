@@ -16,10 +16,8 @@ loss the policy's own score, so one walk per window gives both m and the gradien
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import mlx.core as mx
 from mlx import nn
@@ -28,56 +26,11 @@ from mlx.utils import tree_map
 from ..walk import PlainWalk, WalkConfig, Window, exact_gradient, one_graph, window_loss
 from ..walk.guards import check_finite
 from ..walk.loss import weighted_loss
+from .rewards import Pair, Scores, Terms, terms, walk_pair
 
 WALKS = ("exact", "plain", "one-graph")
 
-
-@dataclass(frozen=True)
-class Pair:
-    """One preference: the same prompt answered twice, each answer's tokens labelled."""
-
-    chosen: Window
-    rejected: Window
-
-
-@dataclass(frozen=True)
-class Scores:
-    """Summed log-probabilities of each answer's labelled tokens."""
-
-    chosen: float
-    rejected: float
-
-
-@dataclass(frozen=True)
-class Terms:
-    """What a pair contributes, in mlx-lm-lora's terms (rewards are beta * (pi - ref))."""
-
-    loss: float  # -log sigmoid(margin)
-    margin: float  # chosen reward - rejected reward
-    chosen_reward: float
-    rejected_reward: float
-    weight: float  # beta * sigmoid(-margin): the factor on d pi_c - d pi_r
-
-    @property
-    def accurate(self) -> bool:
-        return self.chosen_reward > self.rejected_reward
-
-
-def terms(policy: Scores, reference: Scores, beta: float) -> Terms:
-    """The pair's loss, rewards and gradient weight from the four scores."""
-    chosen = beta * (policy.chosen - reference.chosen)
-    rejected = beta * (policy.rejected - reference.rejected)
-    margin = chosen - rejected
-    loss = _softplus(-margin)  # -log sigmoid(margin), stable for either sign
-    return Terms(loss, margin, chosen, rejected, beta * _sigmoid(-margin))
-
-
-def _softplus(x: float) -> float:
-    return max(x, 0.0) + math.log1p(math.exp(-abs(x)))
-
-
-def _sigmoid(x: float) -> float:
-    return 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))
+__all__ = ["Pair", "Scores", "Terms", "terms", "adapter_off", "score", "reference_scores"]
 
 
 @contextmanager
@@ -124,13 +77,29 @@ def pair_gradient(
         raise ValueError(f"walk {walk!r} is unknown; choose one of {', '.join(WALKS)}")
     if not beta > 0:
         raise ValueError(f"beta must be positive, got {beta}")
-    mean_c, g_c = _window_gradient(model, pair.chosen, config, walk)
-    mean_r, g_r = _window_gradient(model, pair.rejected, config, walk)
-    n_c, n_r = pair.chosen.total, pair.rejected.total
-    t = terms(Scores(-mean_c * n_c, -mean_r * n_r), reference, beta)
-    grads = tree_map(lambda a, b: t.weight * (n_c * a - n_r * b), g_c, g_r)
-    mx.eval(grads)
-    return t, grads
+    walker = _Walker(model, config, walk)
+    t = walk_pair(pair, reference, beta, walker)
+    mx.eval(walker.grads)
+    return t, walker.grads
+
+
+class _Walker:
+    """training/objective.py's Walker over one model's walks: the pair's gradient summed here."""
+
+    def __init__(self, model: nn.Module, config: WalkConfig, walk: str):
+        self.model, self.config, self.walk = model, config, walk
+        self.grads = None
+
+    def gradient(self, window: Window, scale: float = 1.0) -> float:
+        mean, grads = _window_gradient(self.model, window, self.config, self.walk)
+        if self.grads is None:
+            self.grads = tree_map(lambda g: scale * g, grads)
+        else:
+            self.grads = tree_map(lambda a, g: a + scale * g, self.grads, grads)
+        return mean
+
+    def rescale(self, factor: float) -> None:
+        self.grads = tree_map(lambda a: factor * a, self.grads)
 
 
 def _window_gradient(model, window: Window, config: WalkConfig, walk: str) -> tuple[float, dict]:

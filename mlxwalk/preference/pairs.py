@@ -18,8 +18,8 @@ from pathlib import Path
 
 from ..errors import DataError
 from ..training import data
-from ..walk import Window
-from .dpo import Pair
+from ..walk.window import Window
+from .rewards import Pair
 
 
 @dataclass

@@ -12,7 +12,14 @@ import torch
 from ..exactness import ExactnessTable, Setting, print_tables
 from ..walk.window import Window
 from . import model as models
-from .walk import ExactWalk, TorchWalkConfig, gradients, train_window, window_gradient
+from .walk import (
+    ExactWalk,
+    PlainWalk,
+    TorchWalkConfig,
+    gradients,
+    train_window,
+    window_gradient,
+)
 
 STORES = ("float32", "bfloat16")  # the K/V stores this table walks with
 
@@ -48,13 +55,18 @@ class Table(ExactnessTable):
             and not setting.upper_half
         )
 
-    def walked(self, setting: Setting, weights: np.ndarray, chunk: int) -> dict:
+    def walked(self, setting: Setting, weights: np.ndarray, chunk: int, ids: tuple) -> tuple:
         config = {"chunk": chunk}  # one-graph reads no config
         if setting.store != "float32":
             config["store_dtype"] = setting.store
         if setting.placement == "host":
             config.update(accumulators="host", store="host")
-        return window_gradient(self.model, self.x, self.y, weights, walk=setting.walk, **config)[1]
+        return window_gradient(self.model, *ids, weights, walk=setting.walk, **config)
+
+    def reference_loss(self, ids: tuple, weights: np.ndarray) -> float:
+        window = Window.of(*ids, weights)
+        with self.model.disable_adapter(), torch.no_grad():  # PEFT's: the model it adapts
+            return PlainWalk(self.model, window, TorchWalkConfig(self.chunk)).loss_only()
 
     def planned(self, host_budget_mib: float | None, run: bool = True):
         window = Window.of(self.x, self.y, np.ones(self.n))

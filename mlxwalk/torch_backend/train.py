@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import math
 import tempfile
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -202,9 +203,10 @@ class TorchFramework(Framework):
         self.optimizer.zero_grad(set_to_none=True)
         self.schedule.step()
 
-    def window_loss(self, example, cfg: TrainConfig) -> float:
+    def window_loss(self, example, cfg: TrainConfig, reference: bool = False) -> float:
         window = Window.of(example.inputs, example.targets, example.weights)
-        return PlainWalk(self.model, window, self.walk_config(cfg)).loss_only()
+        with self.model.disable_adapter() if reference else nullcontext():  # PEFT's
+            return PlainWalk(self.model, window, self.walk_config(cfg)).loss_only()
 
     def write_check(self, path: Path) -> None:
         from safetensors.torch import save_file

@@ -111,6 +111,12 @@ class TrainConfig:
         None, "a folder with train.jsonl and optionally valid.jsonl (default: a sample)"
     )
     walk: str = option("exact", "exact (one step per window) or plain (one step per chunk)")
+    objective: str = option(
+        "tokens",
+        "tokens (cross-entropy on the labelled tokens) or dpo (preference pairs: prompt, chosen, "
+        "rejected, in mlx-lm-lora's formats; the reference is the model with the adapter off)",
+    )
+    beta: float = option(0.1, "DPO's beta: how far the policy may move from the reference")
     window: int | None = option(
         None,
         "positions per window (default: the longest example, rounded up to the chunk)",
@@ -141,8 +147,8 @@ class TrainConfig:
     iters: int | None = option(None, "stop after this many windows")
     windows_per_step: int = option(
         1,
-        "windows one optimizer step combines, per rank (the "
-        "exact walk; the mean over their labelled tokens)",
+        "windows one optimizer step combines, per rank (the exact walk; the mean over their "
+        "labelled tokens); with --objective dpo, pairs (the mean over the pairs)",
     )
     lr: float = option(1e-4, "learning rate (the peak, with a schedule)")
     lr_schedule: str | None = option(
@@ -187,6 +193,7 @@ class TrainConfig:
             setattr(self, f.name, coerce(f.name, getattr(self, f.name), str(f.type)))
         if self.walk not in ("exact", "plain"):
             raise ConfigError(f"walk {self.walk!r} cannot train; choose exact or plain")
+        choice("objective", self.objective, ("tokens", "dpo"))
         choice("optimizer", self.optimizer, OPTIMIZERS)
         if self.lr_schedule is not None:
             choice("lr_schedule", self.lr_schedule, SCHEDULES)
@@ -203,7 +210,7 @@ class TrainConfig:
         at_least("steps_per_eval", self.steps_per_eval, 0, " (0 = at each epoch's end)")
         at_least("warmup", self.warmup, 0)
         layers(self.num_layers)
-        for name in ("lr", "scale", "host_budget_mib", "memory_budget_mib", "grad_clip"):
+        for name in ("lr", "scale", "host_budget_mib", "memory_budget_mib", "grad_clip", "beta"):
             positive(name, getattr(self, name))
         if self.weight_decay is not None and not 0 <= self.weight_decay < 1:
             raise ConfigError(f"--weight-decay must be in [0, 1), got {self.weight_decay}")
@@ -218,6 +225,11 @@ class TrainConfig:
         if self.resume and self.overwrite:
             raise ConfigError(
                 "--resume continues the run in the adapter path, --overwrite replaces it: give one"
+            )
+        if self.walk == "plain" and self.objective == "dpo":
+            raise ConfigError(
+                "--objective dpo: the plain walk steps once per chunk, before a pair's weight "
+                "(known once both its windows are walked) exists; DPO takes the exact walk"
             )
         if self.walk == "plain" and self.windows_per_step > 1:
             raise ConfigError(

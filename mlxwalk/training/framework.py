@@ -125,8 +125,9 @@ class Framework:
         a step that is not finite."""
         raise NotImplementedError
 
-    def window_loss(self, example, cfg) -> float:
-        """A validation window's loss, with no gradient and the model in eval mode."""
+    def window_loss(self, example, cfg, reference: bool = False) -> float:
+        """A window's mean loss with no gradient (validation: the model in eval mode);
+        `reference`: with the adapter off, the model it adapts (DPO's reference)."""
         raise NotImplementedError
 
     def train_mode(self, on: bool) -> None:

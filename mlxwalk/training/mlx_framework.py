@@ -5,6 +5,7 @@ it, its distributed group (ranks.py), its safetensors checkpoints."""
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -217,9 +218,12 @@ class MLXFramework(Framework):
         )
         return walk.loss, getattr(walk, "horizon_used", cfg.horizon)
 
-    def window_loss(self, example, cfg) -> float:
+    def window_loss(self, example, cfg, reference: bool = False) -> float:
+        from ..preference.dpo import adapter_off
+
         window = Window.of(example.inputs, example.targets, example.weights)
-        return window_loss(self.model, window, cfg.walk_config(), self.layout)
+        with adapter_off(self.model) if reference else nullcontext():
+            return window_loss(self.model, window, cfg.walk_config(), self.layout)
 
     def train_mode(self, on: bool) -> None:
         self.model.train(on)

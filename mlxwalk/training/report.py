@@ -7,7 +7,7 @@ from __future__ import annotations
 import io
 import json
 import sys
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from ..plan import MIB
@@ -25,6 +25,37 @@ class Epoch:
     partial: bool = False  # stopped by --iters before the epoch's end
     windows_narrowed: int = 0  # windows whose horizon the memory budget narrowed (not exact)
     smallest_horizon: int | None = None  # the narrowest horizon one of them used
+    metrics: dict = field(default_factory=dict)  # the objective's, the epoch's weighted means
+    eval_metrics: dict = field(default_factory=dict)
+
+
+def epoch_row(run, partial: bool = False) -> Epoch:
+    """The epoch's row (run.Run's position now): its training loss and metrics, and the
+    validation set's, evaluated now."""
+    p = run.position
+    items = run.train_set.examples
+    tokens = sum(run.tokens(items[i]) for i in run.order(p.epoch)[: p.index])
+    weight = max(p.tokens, 1)
+    evaluated = run.evaluate()
+    return Epoch(
+        epoch=p.epoch + 1,
+        train_loss=p.loss_sum / weight,
+        eval_loss=evaluated[0] if evaluated else None,
+        seconds=round(p.seconds, 2),
+        train_tok_s=round(tokens / p.seconds, 1) if p.seconds else 0.0,
+        windows=p.index,
+        partial=partial,
+        windows_narrowed=p.narrowed,
+        smallest_horizon=p.horizon or None,
+        metrics={k: round(v / weight, 6) for k, v in p.metrics.items()},
+        eval_metrics={k: round(v, 6) for k, v in evaluated[1].items()} if evaluated else {},
+    )
+
+
+def metrics_said(objective, means: dict) -> str:
+    """The objective's metrics as a line's tail: ", chosen_r 0.012, acc 0.750" ("" if none)."""
+    labels = getattr(objective, "metrics", {})
+    return "".join(f", {labels[k]} {v:.3f}" for k, v in means.items() if k in labels)
 
 
 def opening(run) -> list[str]:
@@ -86,12 +117,14 @@ class Progress:
         mem_mib: float,
         narrowed: int | None = None,
         windows: int = 1,
+        said: str = "",
     ):
-        """A step's `windows` done (their mean loss); `narrowed`: the horizon the memory budget
-        cut one to (not exact)."""
+        """A step's `windows` done (their mean loss; `said`: the objective's metrics, as
+        metrics_said says them); `narrowed`: the horizon the memory budget cut one to (not
+        exact)."""
         self.done += windows
         cut = f", horizon narrowed to {narrowed} (not exact)" if narrowed is not None else ""
-        self.last = f" | loss {loss:.3f}, {tok_s:,.0f} tok/s, peak {mem_mib:,.0f} MiB{cut}"
+        self.last = f" | loss {loss:.3f}{said}, {tok_s:,.0f} tok/s, peak {mem_mib:,.0f} MiB{cut}"
         self.bar.update(windows)
         self.bar.set_postfix_str(self.last.lstrip(" |"), refresh=True)
         if self.lines:
@@ -135,7 +168,7 @@ def progress(total: int, initial: int = 0, enabled: bool = True) -> Progress:
     return Progress(total, initial, enabled)
 
 
-def epoch_line(e) -> str:
+def epoch_line(e, objective=None) -> str:
     ev = "n/a" if e.eval_loss is None else f"{e.eval_loss:.4f}"
     part = f" (partial: {e.windows} windows, stopped by --iters)" if e.partial else ""
     cut = ""
@@ -144,22 +177,31 @@ def epoch_line(e) -> str:
             f"; {e.windows_narrowed} window(s) not exact: the memory budget narrowed the "
             f"horizon to as few as {e.smallest_horizon} positions"
         )
+    for side, means in (("train", e.metrics), ("eval", e.eval_metrics)):
+        if said := metrics_said(objective, means):
+            cut += f"; {side}{said[1:]}"
     return (
         f"epoch {e.epoch}{part}: train_loss {e.train_loss:.4f}, eval_loss {ev}, "
         f"{e.seconds:.1f} s, {e.train_tok_s:,.0f} tok/s{cut}"
     )
 
 
-def table(epochs: list[dict]) -> str:
+def table(epochs: list[dict], objective=None) -> str:
+    """The epochs as a markdown table; an objective's metrics (train, then eval) as columns."""
+    labels = getattr(objective, "metrics", {})
+    heads = [*labels.values(), *(f"eval_{v}" for v in labels.values())]
     rows = [
-        "| epoch | train_loss | eval_loss | seconds | train_tok_s |",
-        "|---:|---:|---:|---:|---:|",
+        "| epoch | train_loss | eval_loss | seconds | train_tok_s |"
+        + "".join(f" {h} |" for h in heads),
+        "|---:|---:|---:|---:|---:|" + "---:|" * len(heads),
     ]
     for e in epochs:
         ev = "n/a" if e["eval_loss"] is None else f"{e['eval_loss']:.4f}"
+        given = [e.get("metrics") or {}, e.get("eval_metrics") or {}]
+        cells = [f" {m[k]:.3f} |" if k in m else " n/a |" for m in given for k in labels]
         rows.append(
             f"| {e['epoch']} | {e['train_loss']:.4f} | {ev} | {e['seconds']:.1f} |"
-            f" {e['train_tok_s']:,.0f} |"
+            f" {e['train_tok_s']:,.0f} |" + "".join(cells)
         )
     return "\n".join(rows)
 
@@ -172,7 +214,14 @@ def plot(epochs: list[dict], file, window_losses=None, evals_between=None) -> No
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=120)
+    shown = [
+        k for k in ("margins", "accuracies") if any(k in (e.get("metrics") or {}) for e in epochs)
+    ]
+    if shown:  # an objective's rewards beside the loss: DPO's margin and accuracy per epoch
+        fig, (ax, side) = plt.subplots(1, 2, figsize=(10, 3.6), dpi=120)
+        preference(side, epochs, shown)
+    else:
+        fig, ax = plt.subplots(figsize=(6, 3.6), dpi=120)
     ends, at = [], 0
     for e in epochs:
         at += e.get("windows") or 0
@@ -190,12 +239,27 @@ def plot(epochs: list[dict], file, window_losses=None, evals_between=None) -> No
     if evals:
         ax.plot(*zip(*evals), marker="s", label="eval")
     ax.set_xlabel("window" if window_losses else "epoch")
-    ax.set_ylabel("loss (mean cross-entropy per labelled token)")
+    ax.set_ylabel("DPO loss per pair" if shown else "loss (mean cross-entropy per labelled token)")
     ax.set_title("training and eval loss")
     ax.legend()
     fig.tight_layout()
     fig.savefig(file, format="png")
     plt.close(fig)
+
+
+def preference(ax, epochs: list[dict], shown: list[str]) -> None:
+    """Per epoch: the reward margin and accuracy, training (the epoch's mean) and eval."""
+    xs = [e["epoch"] for e in epochs]
+    for key in shown:
+        for side, style in (("metrics", "-o"), ("eval_metrics", "--s")):
+            ys = [(e.get(side) or {}).get(key) for e in epochs]
+            if any(y is not None for y in ys):
+                name = f"{'eval' if side == 'eval_metrics' else 'train'} {key.rstrip('s')}"
+                ax.plot(xs, [float("nan") if y is None else y for y in ys], style, label=name)
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("reward margin; accuracy")
+    ax.set_title("preference: reward margin and accuracy")
+    ax.legend()
 
 
 def summary(run) -> dict:
@@ -207,6 +271,7 @@ def summary(run) -> dict:
         "model": cfg.model,
         "adapter_path": str(run.out),
         "walk": cfg.walk,
+        "objective": run.objective.name,
         "window": windows.window,
         "window_asked": windows.window_asked,
         "chunk": cfg.chunk,

@@ -11,9 +11,13 @@ from __future__ import annotations
 import errno
 import signal
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
+from ..errors import NonFinite
 from .runfolder import WriteFailed
+
+SKIP_LIMIT = 5  # --on-nan skip: this many non-finite windows in a row stop the run
 
 
 def fail(run, error: BaseException) -> BaseException:
@@ -24,6 +28,34 @@ def fail(run, error: BaseException) -> BaseException:
     if isinstance(error, OSError):  # a write that failed: said with what is kept, and where
         return WriteFailed(lost_write(run, error))
     return error
+
+
+def non_finite(run, items: list, error: BaseException) -> None:
+    """A step on `items` that was not finite (the adapter already put back): skipped under
+    --on-nan skip, up to SKIP_LIMIT in a row; else the run stops, saying what it keeps."""
+    p, n = run.position, len(items)
+    first = items[0].where or "an example"
+    where = (
+        f"window {p.windows + 1} (epoch {p.epoch + 1}, {first})"
+        if n == 1
+        else f"the step on windows {p.windows + 1}-{p.windows + n} (epoch {p.epoch + 1}, "
+        f"from {first})"
+    )
+    run.streak += 1
+    saved = kept(run.folder)
+    if run.cfg.on_nan == "skip" and run.streak < SKIP_LIMIT:
+        run.echo(f"warning: {where}: {error}; skipped (--on-nan skip), adapter unchanged")
+        run.position = replace(p, index=p.index + n, windows=p.windows + n, skipped=p.skipped + n)
+        return
+    if run.cfg.on_nan == "skip":
+        raise NonFinite(
+            f"{where}: {error}; the {SKIP_LIMIT}th window in a row that is not "
+            f"finite, so the run stops. {saved}"
+        )
+    raise NonFinite(
+        f"{where}: {error}; stopped before its step. {saved} Lower --lr, "
+        "or pass --on-nan skip to skip such windows"
+    )
 
 
 def leave(run, error: BaseException) -> None:

@@ -28,14 +28,12 @@ import numpy.random  # noqa: F401  (now, not lazily at the first window: see res
 
 from ..errors import NonFinite
 from ..plan import MIB
-from . import data, report, rescue, setup
+from . import objective as objectives
+from . import report, rescue, setup
 from .config import TrainConfig
 from .framework import Framework
-from .objective import TOKENS, Objective
-from .report import Epoch
-from .step import Walker
-
-SKIP_LIMIT = 5  # --on-nan skip: this many non-finite windows in a row stop the run
+from .objective import Objective
+from .step import Stepped, Walker
 
 
 def say(*args) -> None:
@@ -51,9 +49,10 @@ class Run:
         cfg: TrainConfig,
         fw: Framework | None = None,
         echo=say,
-        objective: Objective = TOKENS,
+        objective: Objective | None = None,
         callbacks: tuple = (),
     ):
+        objective = objective or objectives.of(cfg)
         if fw is None:  # MLX's, in one process
             from .mlx_framework import MLXFramework
 
@@ -69,7 +68,7 @@ class Run:
         self.trained = 0  # positions walked with gradient by this process, for the callbacks
         self.reduce_seconds = 0.0  # in the steps' reductions (and waiting for other ranks)
         self.undo = None  # (position, adapter and optimizer state) at the step's start
-        self.partial: Epoch | None = None  # the epoch row of a run stopped by --iters
+        self.partial: report.Epoch | None = None  # the epoch row of a run stopped by --iters
         self.bar = self.stops = None  # the progress bar and the stop signals, while it runs
         self.rescued: Path | None = None  # where a failed write's adapter went instead
         self.keep = True  # rescue clears it when the run leaves nothing worth keeping
@@ -122,8 +121,8 @@ class Run:
                     if self.position.windows >= total:
                         break
                     continue
-                self.partial = self.epoch_row(partial=True)  # --iters ends the run mid-epoch
-                self.echo(report.epoch_line(self.partial))
+                self.partial = report.epoch_row(self, partial=True)  # --iters: ended mid-epoch
+                self.echo(report.epoch_line(self.partial, self.objective))
                 self.checkpoint()
                 break
         finally:
@@ -158,14 +157,19 @@ class Run:
         self.reduce_seconds += stepped.reduce_seconds  # the wait for the slowest rank too
         if not stepped.finite:
             fw.restore(self.undo[1])
-            self.non_finite(items, stepped.error or NonFinite("a NaN or infinite loss"))
+            rescue.non_finite(self, items, stepped.error or NonFinite("a NaN or infinite loss"))
             return
-        self.stepped(items, stepped.losses, stepped.horizons, time.perf_counter() - tic)
+        self.stepped(items, stepped, time.perf_counter() - tic)
 
-    def stepped(self, items: list, losses, horizons, seconds: float) -> None:
-        """The position after a step on `items`: every item's loss, and the narrowed ones."""
+    def stepped(self, items: list, stepped: Stepped, seconds: float) -> None:
+        """The position after a step on `items`: every item's loss and metrics, and the narrowed
+        ones."""
         p, cfg, weight = self.position, self.cfg, self.weight
-        peak = self.fw.peak()
+        losses, horizons, peak = stepped.losses, stepped.horizons, self.fw.peak()
+        sums = {
+            k: p.metrics.get(k, 0.0) + float(v @ [weight(x) for x in items])
+            for k, v in stepped.metrics.items()
+        }
         self.streak = 0
         narrowed = [int(h) for h in horizons if h]
         self.position = replace(
@@ -178,6 +182,7 @@ class Run:
             losses=[*p.losses, *(round(float(v), 6) for v in losses)],
             narrowed=p.narrowed + len(narrowed),
             horizon=min([p.horizon or min(narrowed), *narrowed]) if narrowed else p.horizon,
+            metrics=sums,
         )
         self.peak = max(self.peak, peak)
         for j, (x, loss, h) in enumerate(zip(items, losses, horizons)):
@@ -187,7 +192,9 @@ class Run:
         self.trained += tokens
         shown = min(narrowed) if narrowed else None
         loss = float(np.mean(losses))
-        self.bar.window(loss, tokens / seconds, peak / MIB, shown, windows=len(items))
+        means = {k: float(np.mean(v)) for k, v in stepped.metrics.items()}
+        said = report.metrics_said(self.objective, means)
+        self.bar.window(loss, tokens / seconds, peak / MIB, shown, len(items), said)
         self.tell(
             "on_train_loss_report",
             iteration=self.position.windows,
@@ -195,11 +202,13 @@ class Run:
             tokens_per_second=tokens / seconds,
             trained_tokens=self.trained,
             peak_memory=peak / 1e9,
+            **{f"train_{k}": v for k, v in means.items()},
         )
 
-    def weight(self, item) -> int:
-        """The item's labelled tokens: what the epoch's mean training loss weighs it by."""
-        return sum(w.trainable for w in self.objective.windows(item))
+    def weight(self, item) -> float:
+        """What the epoch's mean training loss weighs the item by (the objective's weight: a
+        window's labelled tokens, or 1 a pair)."""
+        return self.objective.weight(item)
 
     def tokens(self, item) -> int:
         return sum(len(w) for w in self.objective.windows(item))
@@ -210,33 +219,6 @@ class Run:
             for callback in self.callbacks:
                 getattr(callback, what)(info)
 
-    def non_finite(self, items: list[data.Example], error: BaseException) -> None:
-        p, n = self.position, len(items)
-        first = items[0].where or "an example"
-        where = (
-            f"window {p.windows + 1} (epoch {p.epoch + 1}, {first})"
-            if n == 1
-            else f"the step on windows {p.windows + 1}-{p.windows + n} (epoch {p.epoch + 1}, "
-            f"from {first})"
-        )
-        self.streak += 1
-        kept = rescue.kept(self.folder)
-        if self.cfg.on_nan == "skip" and self.streak < SKIP_LIMIT:
-            self.echo(f"warning: {where}: {error}; skipped (--on-nan skip), adapter unchanged")
-            self.position = replace(
-                p, index=p.index + n, windows=p.windows + n, skipped=p.skipped + n
-            )
-            return
-        if self.cfg.on_nan == "skip":
-            raise NonFinite(
-                f"{where}: {error}; the {SKIP_LIMIT}th window in a row that is not "
-                f"finite, so the run stops. {kept}"
-            )
-        raise NonFinite(
-            f"{where}: {error}; stopped before its step. {kept} Lower --lr, "
-            "or pass --on-nan skip to skip such windows"
-        )
-
     def eval_due(self, before: int) -> bool:
         """--steps-per-eval: every so many windows (a step that passes a multiple counts),
         except where an epoch's end evaluates."""
@@ -245,52 +227,44 @@ class Run:
         return crossed(self.cfg.steps_per_eval, before, p.windows) and not epoch_end
 
     def evaluate_between(self) -> None:
-        loss = self.evaluate()
-        if loss is not None:
-            self.echo(f"window {self.position.windows}: eval_loss {loss:.4f}")
+        evaluated = self.evaluate()
+        if evaluated is not None:
+            loss, means = evaluated
+            said = report.metrics_said(self.objective, means)
+            self.echo(f"window {self.position.windows}: eval_loss {loss:.4f}{said}")
             p = self.position
             self.position = replace(p, evals=[*p.evals, [p.windows, round(loss, 6)]])
 
-    def evaluate(self) -> float | None:
+    def evaluate(self) -> tuple[float, dict] | None:
+        """The validation items' mean loss and metrics (each item weighted by the objective)."""
         if not self.valid_set.examples:
             return None
-        tic, total, weight = time.perf_counter(), 0.0, 0
-        walker = Walker(self.fw, self.cfg, 0, None, None, 1.0)
+        tic, names = time.perf_counter(), list(self.objective.metrics)
+        sums = np.zeros(2 + len(names), np.float64)  # (loss x weight, weight, each metric x weight)
         self.fw.train_mode(False)
         try:  # each rank its share; the sums reduced together
             for item in self.valid_set.examples[self.ranks.rank :: self.ranks.size]:
-                total += self.objective.evaluate(item, walker) * self.weight(item)
-                weight += self.weight(item)
+                walker, weight = Walker(self.fw, self.cfg, 0, None), self.weight(item)
+                loss = self.objective.evaluate(item, walker)
+                sums += weight * np.array([loss, 1.0, *(walker.noted[k] for k in names)])
         finally:
             self.fw.train_mode(True)
         if self.ranks.size > 1:
-            total, weight = self.ranks.sum_numpy(np.array([total, weight], np.float64))
-        loss = float(total / weight)
+            sums = self.ranks.sum_numpy(sums)
+        loss, means = float(sums[0] / sums[1]), dict(zip(names, (sums[2:] / sums[1]).tolist()))
         seconds = time.perf_counter() - tic
         self.tell(
-            "on_val_loss_report", iteration=self.position.windows, val_loss=loss, val_time=seconds
+            "on_val_loss_report",
+            iteration=self.position.windows,
+            val_loss=loss,
+            **{f"val_{k}": v for k, v in means.items()},
+            val_time=seconds,
         )
-        return loss
-
-    def epoch_row(self, partial: bool = False) -> Epoch:
-        p = self.position
-        items = self.train_set.examples
-        tokens = sum(self.tokens(items[i]) for i in self.order(p.epoch)[: p.index])
-        return Epoch(
-            epoch=p.epoch + 1,
-            train_loss=p.loss_sum / max(p.tokens, 1),
-            eval_loss=self.evaluate(),
-            seconds=round(p.seconds, 2),
-            train_tok_s=round(tokens / p.seconds, 1) if p.seconds else 0.0,
-            windows=p.index,
-            partial=partial,
-            windows_narrowed=p.narrowed,
-            smallest_horizon=p.horizon or None,
-        )
+        return loss, means
 
     def end_epoch(self) -> None:
-        epoch = self.epoch_row()
-        self.echo(report.epoch_line(epoch))
+        epoch = report.epoch_row(self)
+        self.echo(report.epoch_line(epoch, self.objective))
         p = self.position
         self.position = replace(
             p,
@@ -302,6 +276,7 @@ class Run:
             epochs=[*p.epochs, asdict(epoch)],
             narrowed=0,
             horizon=0,
+            metrics={},
         )
         self.checkpoint()
 
@@ -322,7 +297,7 @@ def train_run(
     cfg: TrainConfig,
     echo=say,
     framework=None,
-    objective: Objective = TOKENS,
+    objective: Objective | None = None,
     callbacks: tuple = (),
 ) -> dict:
     """A run on `framework` (a class taking the ranks; default MLX's), with its first lines and
@@ -336,7 +311,7 @@ def train_run(
     for line in report.opening(run):
         run.echo(line)
     summary = run.train()
-    run.echo(report.table(summary["epochs"]))
+    run.echo(report.table(summary["epochs"], run.objective))
     curve = ", report and loss curve" if summary["epochs"] else " and report"
     run.echo(f"adapter{curve} written to {run.out}")
     return summary

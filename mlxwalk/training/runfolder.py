@@ -58,6 +58,7 @@ class Position:
     evals: list[list] = field(default_factory=list)  # [window, eval loss], --steps-per-eval
     narrowed: int = 0  # windows of this epoch whose horizon the memory budget narrowed
     horizon: int = 0  # the smallest horizon those used
+    metrics: dict = field(default_factory=dict)  # the objective's, summed x weight this epoch
 
 
 # What must match for --resume to continue a run: (key in run.json, the flag that sets it).

@@ -55,7 +55,7 @@ def prepare(cfg: TrainConfig, fw: Framework, echo, objective: Objective) -> Setu
     folder = runfolder.open_folder(cfg, fw, model_folder, data_folder)
     try:  # the folder is claimed: every refusal from here leaves it as it was
         loaded = fw.load(cfg)
-        sets = windows.load(cfg, data_folder, loaded, ranks.size, echo)
+        sets = windows.load(cfg, data_folder, loaded, ranks.size, echo, objective)
         spec = OptimizerSpec.of(cfg, sets.steps)
         fw.adapt(cfg, spec)
         cfg = fw.budget(cfg, echo)

@@ -16,7 +16,7 @@ in a second sum of bytes (Ranks._raise). The framework supplies the mechanics: `
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -35,61 +35,81 @@ class Stepped:
     error: BaseException | None = None
     reduce_seconds: float = 0.0  # in the ranks' reduction, the wait for the slowest included
     weights: np.ndarray | None = None  # each item's weight, where known
+    metrics: dict[str, np.ndarray] = field(default_factory=dict)  # the objective's, by item
 
 
 class Layout:
     """What a step's reduction carries beside the gradient, by slot (the step's items in order;
     zeros in the slots of other ranks): each item's loss, weight and the horizon a memory budget
-    narrowed it to (0: none), a non-finite flag, and one failure flag per rank. Packed as one
-    float32 vector, [loss x weight | weight | horizon] by slot, then the flag, then the ranks'."""
+    narrowed it to (0: none), its metrics (the objective's), a non-finite flag, and one failure
+    flag per rank. Packed as one float32 vector, [loss x weight | weight | horizon | each metric
+    x weight] by slot, then the flag, then the ranks'."""
 
-    def __init__(self, slots: int, size: int):
-        self.slots, self.size = slots, size
+    def __init__(self, slots: int, size: int, metrics=()):
+        self.slots, self.size, self.names = slots, size, tuple(metrics)
         self.losses = np.zeros(slots, np.float32)  # (slots,)
         self.weights = np.zeros(slots, np.float32)  # (slots,)
         self.horizons = np.zeros(slots, np.float32)  # (slots,)
+        self.metrics = np.zeros((len(self.names), slots), np.float32)  # (metrics, slots)
         self.finite = True
 
     def pack(self, rank: int, failed: bool) -> np.ndarray:
-        s = self.slots
-        head = np.zeros(3 * s + 1 + self.size, np.float32)  # (3 slots + 1 + ranks,)
+        s, m = self.slots, len(self.names)
+        head = np.zeros((3 + m) * s + 1 + self.size, np.float32)  # (3 + m slots + 1 + ranks,)
         head[:s] = self.losses * self.weights
         head[s : 2 * s], head[2 * s : 3 * s] = self.weights, self.horizons
-        head[3 * s] = not self.finite
-        head[3 * s + 1 + rank] = failed
+        head[3 * s : (3 + m) * s] = (self.metrics * self.weights).ravel()
+        head[(3 + m) * s] = not self.finite
+        head[(3 + m) * s + 1 + rank] = failed
         return head
 
     def unpack(self, head: np.ndarray) -> int | None:
         """This layout from every rank's vector, summed; the first rank that failed, if any."""
-        s = self.slots
-        failed = head[3 * s + 1 :]
+        s, m = self.slots, len(self.names)
+        failed = head[(3 + m) * s + 1 :]
         self.weights = head[s : 2 * s]
-        self.losses = np.divide(
-            head[:s], self.weights, out=np.zeros(s, np.float32), where=self.weights > 0
+        self.losses, self.metrics = (
+            np.divide(a, self.weights, out=np.zeros_like(a), where=self.weights > 0)
+            for a in (head[:s], head[3 * s : (3 + m) * s].reshape(m, s))
         )
         self.horizons = head[2 * s : 3 * s]
-        self.finite = head[3 * s] == 0 and bool(np.isfinite(head[:s]).all())
+        self.finite = head[(3 + m) * s] == 0 and bool(np.isfinite(head[:s]).all())
         return int(np.flatnonzero(failed)[0]) if failed.any() else None
 
 
 class Walker:
-    """One item's walks on a framework (objective.Walker): each window's gradient added to the
-    step's sum, times the item's weight when the step combines items."""
+    """One item's walks on a framework (objective.Walker): each window's gradient kept with its
+    scale until the item is done (`fold`), when the item's share goes into the step's sum, times
+    the item's weight when the step combines items."""
 
-    def __init__(self, fw, cfg, seed: int, on_chunk, acc, weight: float):
+    def __init__(self, fw, cfg, seed: int, on_chunk, weight: float = 1.0):
         self.fw, self.cfg, self.seed, self.on_chunk = fw, cfg, seed, on_chunk
-        self.acc, self.weight = acc, weight
+        self.weight, self.factor = weight, 1.0
+        self.parts: list = []  # (gradient, scale) of each window walked
+        self.noted: dict[str, float] = {}
         self.horizon = 0  # the narrowest horizon a budget cut one of its windows to (0: none)
 
     def gradient(self, window, scale: float = 1.0) -> float:
         loss, grads, used = self.fw.gradient(window, self.cfg, self.seed, self.on_chunk)
-        self.acc = self.fw.accumulate(self.acc, grads, scale * self.weight)
+        self.parts.append((grads, scale))
         if used != self.cfg.horizon:
             self.horizon = min(self.horizon or used, used)
         return loss
 
-    def loss(self, window) -> float:
-        return self.fw.window_loss(window, self.cfg)
+    def loss(self, window, reference: bool = False) -> float:
+        return self.fw.window_loss(window, self.cfg, reference)
+
+    def rescale(self, factor: float) -> None:
+        self.factor *= factor
+
+    def note(self, **values: float) -> None:
+        self.noted.update(values)
+
+    def fold(self, acc):
+        """`acc` plus this item's share of the step's gradient."""
+        for grads, scale in self.parts:
+            acc = self.fw.accumulate(acc, grads, scale * self.factor * self.weight)
+        return acc
 
 
 def weighs(slots: int, size: int) -> bool:
@@ -111,12 +131,13 @@ def take_step(
     not finite. Item i is seeded `seed + i` (dropout)."""
     ranks, slots = fw.ranks, len(items)
     weighted = weighs(slots, ranks.size)
-    layout, acc, nan = Layout(slots, ranks.size), fw.zeros(), None
+    names = list(objective.metrics)
+    layout, acc, nan = Layout(slots, ranks.size, names), fw.zeros(), None
     for i in ranks.mine(list(range(slots)), cfg.windows_per_step):
         if items[i] is None:
             continue
         weight = objective.weight(items[i])
-        walker = Walker(fw, cfg, seed + i, on_chunk, acc, weight if weighted else 1.0)
+        walker = Walker(fw, cfg, seed + i, on_chunk, weight if weighted else 1.0)
         try:
             loss = objective.train(items[i], walker)
         except NonFinite as e:
@@ -127,8 +148,9 @@ def take_step(
                 raise
             error = e
             break
-        acc = walker.acc
+        acc = walker.fold(acc)
         layout.losses[i], layout.weights[i], layout.horizons[i] = loss, weight, walker.horizon
+        layout.metrics[:, i] = [walker.noted.get(name, 0.0) for name in names]
     tic = time.perf_counter()
     if weighted:
         head, acc = ranks.reduce(layout.pack(ranks.rank, error is not None), acc)
@@ -144,4 +166,5 @@ def take_step(
         nan = nan or NonFinite("a NaN or infinite loss or gradient")
         return Stepped(layout.losses, layout.horizons, False, nan, reduced)
     fw.apply(acc, float(layout.weights.sum()) if weighted else None, cfg.grad_clip)
-    return Stepped(layout.losses, layout.horizons, reduce_seconds=reduced, weights=layout.weights)
+    metrics = dict(zip(names, layout.metrics))
+    return Stepped(layout.losses, layout.horizons, True, None, reduced, layout.weights, metrics)

@@ -13,6 +13,7 @@ import numpy as np
 
 from ..errors import ConfigError, DataError
 from . import data
+from .objective import TOKENS
 
 
 @dataclass
@@ -25,13 +26,14 @@ class Windows:
     steps: int = 0  # optimizer steps it takes over them (the schedule's length)
 
 
-def load(cfg, folder: Path, loaded, ranks: int, echo) -> Windows:
+def load(cfg, folder: Path, loaded, ranks: int, echo, objective=TOKENS) -> Windows:
     """`folder`'s windows for a model (`loaded`: its tokenizer, vocabulary and positions), its
-    steps counted for `ranks` processes."""
+    steps counted for `ranks` processes; its items as `objective` reads them (a window each, or
+    a preference pair)."""
     tokenizer, vocab, limit = loaded.tokenizer, loaded.vocab, loaded.limit
     if cfg.window is not None and limit is not None and cfg.window > limit:
         raise ConfigError(f"--window {cfg.window} exceeds the model's maximum positions ({limit})")
-    whole = data.load(folder, "train", tokenizer, None, mask_prompt=cfg.mask_prompt)
+    whole = objective.load(folder, "train", tokenizer, None, mask_prompt=cfg.mask_prompt)
     if not whole.examples:
         raise DataError(
             f"no training example has a labelled token ({whole.source}: "
@@ -49,7 +51,7 @@ def load(cfg, folder: Path, loaded, ranks: int, echo) -> Windows:
             "--window" + (" or try --fit middle" if cfg.fit == "left" else "")
         )
     if (folder / "valid.jsonl").exists():
-        valid = data.load(folder, "valid", tokenizer, window, cfg.fit, cfg.mask_prompt)
+        valid = objective.load(folder, "valid", tokenizer, window, cfg.fit, cfg.mask_prompt)
         valid.check_ids(vocab)
     else:
         order = np.random.default_rng(cfg.seed).permutation(len(train.examples))
