@@ -59,9 +59,9 @@ _spec.loader.exec_module(bench)  # its model, steps and evaluation (first: it se
 import mlx.core as mx  # noqa: E402
 import mlx.optimizers as optim  # noqa: E402
 import numpy as np  # noqa: E402
+from lib import recall  # noqa: E402
 from mlx.utils import tree_flatten, tree_unflatten  # noqa: E402
 
-from mlxwalk import recall  # noqa: E402
 from mlxwalk.training import files  # noqa: E402
 from mlxwalk.walk import WalkConfig  # noqa: E402
 

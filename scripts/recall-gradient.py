@@ -27,8 +27,9 @@ bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)  # first: it sets OpenBLAS's threads before MLX loads it
 
 import mlx.core as mx  # noqa: E402
+from lib import recall  # noqa: E402
 
-from mlxwalk import grading, recall  # noqa: E402
+from mlxwalk import grading  # noqa: E402
 from mlxwalk.training import files  # noqa: E402
 from mlxwalk.walk import window_gradient  # noqa: E402
 

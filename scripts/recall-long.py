@@ -32,9 +32,10 @@ _spec.loader.exec_module(bench)  # its model, optimizer, steps and evaluation (f
 # OpenBLAS's threads before MLX loads it, so the imports below wait)
 
 import mlx.core as mx  # noqa: E402
+from lib import recall  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
-from mlxwalk import recall, use_openblas  # noqa: E402
+from mlxwalk import use_openblas  # noqa: E402
 from mlxwalk.walk import WalkConfig  # noqa: E402
 
 use_openblas()  # MLX's CPU matrix products on OpenBLAS (mlxwalk/_blas.py)

@@ -40,11 +40,11 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before MLX loads OpenBLAS:
 import mlx.core as mx  # noqa: E402
 import mlx.optimizers as optim  # noqa: E402
 import numpy as np  # noqa: E402
+from lib import recall  # noqa: E402
 from mlx import nn  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
 import mlxwalk  # noqa: E402
-from mlxwalk import recall  # noqa: E402
 from mlxwalk.training import files  # noqa: E402
 from mlxwalk.training.mlx_framework import MLXFramework, WindowStep  # noqa: E402
 from mlxwalk.training.ranks import Ranks  # noqa: E402

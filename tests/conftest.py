@@ -1,10 +1,16 @@
 import os
 import shutil
+import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 
 import mlxwalk
+
+# The scripts import their helpers as `lib` (scripts/lib/), as they do when run from scripts/;
+# tests load some scripts as modules.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 
 pytest_plugins = ["tests.skips"]  # under MLXWALK_NO_SKIPS=1 a skip outside torch's fails the run
 

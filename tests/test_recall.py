@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mlxwalk import recall
+from scripts.lib import recall
 
 ROOT = Path(__file__).resolve().parent.parent
 
