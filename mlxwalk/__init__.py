@@ -12,7 +12,7 @@ import importlib
 from ._blas import use_openblas
 
 _LAZY = {
-    "train": ".plugin.trainer",
+    "train": ".dropin.trainer",
     "WalkConfig": ".walk",
     "Window": ".walk",
     "one_graph": ".walk",

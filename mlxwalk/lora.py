@@ -1,8 +1,8 @@
-"""`python -m mlxwalk.lora`: mlx_lm.lora with the walk as its trainer (see plugin/lora.py)."""
+"""The mlx-lm drop-in's `-m` entry: `python -m mlxwalk.lora` as `python -m mlx_lm.lora`, and the
+`mlxwalk-lora` script (pyproject.toml). The drop-in itself is mlxwalk/dropin/: lora.py (these
+arguments and the run), trainer.py (`mlxwalk.train`)."""
 
-import sys
-
-from .plugin.lora import main
+from .dropin.lora import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -40,7 +40,7 @@ elif failing is not None and rank == int(failing):
     mlx_framework.exact_gradient = exact_gradient
 
 if sys.argv[1:2] == ["lora"]:  # the mlx-lm drop-in, as `python -m mlxwalk.lora`
-    from mlxwalk.plugin import lora
+    from mlxwalk.dropin import lora
 
     sys.exit(lora.main(sys.argv[2:]))
 sys.exit(cli.main(sys.argv[1:]))

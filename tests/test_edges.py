@@ -19,9 +19,9 @@ import pytest
 from mlx.utils import tree_flatten
 
 from mlxwalk import _blas, cli, tiny
-from mlxwalk.commands import plan as planning
+from mlxwalk.commands import plan as plan_command
+from mlxwalk.dropin import lora
 from mlxwalk.plan import Labels, PlanError, plan_window
-from mlxwalk.plugin import lora
 from mlxwalk.training import files, models
 from mlxwalk.training.convert import convert
 from mlxwalk.training.files import FolderLock
@@ -106,16 +106,16 @@ def test_plan_refuses_a_window_past_the_models_positions(capsys):
 def test_plan_without_a_budget_says_what_the_machine_has(qwen2, capsys, monkeypatch):
     monkeypatch.setattr(machine, "physical", lambda: 8 << 20)  # an 8 MiB machine
     monkeypatch.setattr(machine, "backend", lambda: "cpu")
-    ok = planning.report(qwen2, "tiny", 4096, WalkConfig(chunk=512))
+    ok = plan_command.report(qwen2, "tiny", 4096, WalkConfig(chunk=512))
     out = capsys.readouterr().out
     assert not ok and "this machine has 0.0 GiB" in out and "does not fit this machine" in out
 
 
 def test_plan_under_a_budget_shows_the_probe_and_sizes_it_to_the_window(qwen2, capsys):
-    assert planning.report(qwen2, "tiny", 96, WalkConfig(chunk=128, memory_budget_mib=4000))
+    assert plan_command.report(qwen2, "tiny", 96, WalkConfig(chunk=128, memory_budget_mib=4000))
     out = capsys.readouterr().out
     assert "walk 1 of 1, 128 positions" in out  # one chunk: no prefix to measure
-    assert planning.report(qwen2, "tiny", 640, WalkConfig(chunk=128, memory_budget_mib=4000))
+    assert plan_command.report(qwen2, "tiny", 640, WalkConfig(chunk=128, memory_budget_mib=4000))
     out = capsys.readouterr().out
     assert "walk 3 of 3, 640 positions" in out  # the prefix the run reaches, not 2,048 more
 
@@ -389,7 +389,7 @@ def test_a_garbage_adapter_is_named_by_file(qwen2_path, chats, capsys, tmp_path)
 
 
 def test_plan_with_the_torch_backend_missing_is_one_line(capsys, monkeypatch):
-    monkeypatch.setitem(sys.modules, "mlxwalk.torch_backend.planning", None)  # as if no torch
+    monkeypatch.setitem(sys.modules, "mlxwalk.torch_backend.plan_command", None)  # as if no torch
     err = refused(capsys, "plan", "--backend", "torch", "--window", "1024")
     assert "the torch backend needs pip install 'mlxwalk[torch]'" in err
 
@@ -481,12 +481,12 @@ def test_on_metal_the_budget_defaults_to_the_recommended_working_set(qwen2, caps
     fake_metal(monkeypatch, 6 << 30)
     assert machine.default_budget_mib(None)[0] == 6 * 1024
     assert machine.default_budget_mib(1000.0)[0] == 1000.0  # one given wins
-    assert planning.report(qwen2, "tiny", 512, WalkConfig(chunk=128))
+    assert plan_command.report(qwen2, "tiny", 512, WalkConfig(chunk=128))
     out = capsys.readouterr().out
     assert "memory budget: 6.0 GiB (the GPU's recommended working set" in out
     assert "budget 6144.0 MiB (the GPU's own" in out
     fake_metal(monkeypatch, 1 << 20)  # 1 MiB: the weights alone exceed it
-    assert not planning.report(qwen2, "tiny", 512, WalkConfig(chunk=128))
+    assert not plan_command.report(qwen2, "tiny", 512, WalkConfig(chunk=128))
     assert "alone exceed the memory budget of 1.0 MiB" in capsys.readouterr().out
 
 
@@ -509,7 +509,7 @@ def test_on_cuda_the_budget_is_the_free_memory(monkeypatch):
 def test_importing_mlxwalk_routes_nothing():
     code = (
         "import sys, mlxwalk, mlx.core as mx; from mlxwalk import _blas; "
-        "print(_blas.loaded is None, 'mlxwalk.plugin' in sys.modules)"
+        "print(_blas.loaded is None, 'mlxwalk.dropin' in sys.modules)"
     )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert p.stdout.split() == ["True", "False"] and p.stderr == "", (p.stdout, p.stderr)

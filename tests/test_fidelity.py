@@ -10,7 +10,7 @@ from mlx_lm import lora as mlx_lora
 from mlx_lm.tuner.datasets import load_dataset
 from mlx_lm.tuner.trainer import TrainingCallback
 
-from mlxwalk.plugin import lora
+from mlxwalk.dropin import lora
 
 from .test_train import chat
 

@@ -1,6 +1,6 @@
 """The layout: the plan imports no array library, no module imports one that imports it back, and
-each layer imports only those beneath it (plan <- ops <- walk <- training <- plugin and the torch
-backend, cli)."""
+each layer imports only those beneath it (plan <- ops <- walk <- training <- the mlx-lm drop-in
+and the torch backend, cli)."""
 
 import ast
 from pathlib import Path
@@ -16,7 +16,7 @@ LAYERS = {
     "ops": 1,
     "walk": 2,
     "training": 3,
-    "plugin": 4,
+    "dropin": 4,
     "torch_backend": 4,
     "survey": 4,
     "commands": 5,
@@ -187,15 +187,16 @@ TORCH_SIDE = (
     "mlxwalk.torch_backend",
     *(
         f"mlxwalk.torch_backend.{m}"
-        for m in ("walk", "exactness", "planning", "budget", "model", "cache", "recurrent")
+        for m in ("walk", "exactness", "plan_command", "budget", "model", "cache", "recurrent")
     ),
 )
 
 
 @extras.torch
 def test_the_torch_backend_imports_with_mlx_blocked():
-    """The torch backend's walk and its planning read the shared algorithm, window and plan, none
-    of which may load MLX: with `mlx` and `mlx_lm` unimportable they import, and load neither."""
+    """The torch backend's walk and its `mlxwalk plan` read the shared algorithm, window and plan,
+    none of which may load MLX: with `mlx` and `mlx_lm` unimportable they import, and load
+    neither."""
     import subprocess
     import sys
 

@@ -359,7 +359,7 @@ def test_convert_adapter_takes_a_bundled_model_name(finished, tmp_path, capsys):
 
 
 def test_the_drop_in_handles_a_closed_terminal_as_the_commands_do(monkeypatch):
-    from mlxwalk.plugin import lora
+    from mlxwalk.dropin import lora
 
     seen = {}
     monkeypatch.setattr(signal, "signal", lambda s, handler: seen.__setitem__(s, handler))

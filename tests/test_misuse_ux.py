@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from mlxwalk import cli
+from mlxwalk.dropin import lora
 from mlxwalk.errors import ConfigError
-from mlxwalk.plugin import lora
 from mlxwalk.training import options, report
 from mlxwalk.walk import window_gradient
 

@@ -117,7 +117,7 @@ def test_a_failing_rank_stops_every_rank_with_one_line_and_leaves_nothing(tmp_pa
 
 
 def test_the_mlx_lm_drop_in_takes_a_row_per_rank(qwen2_path, tmp_path):
-    from .test_plugin import chat
+    from .test_dropin import chat
 
     data = tmp_path / "data"
     data.mkdir()

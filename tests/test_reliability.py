@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from mlxwalk import cli, tiny
+from mlxwalk.dropin import lora
 from mlxwalk.plan import MIB, OutOfMemory, PlanError
-from mlxwalk.plugin import lora
 from mlxwalk.training import mlx_framework, run
 from mlxwalk.training.files import FolderLock
 from mlxwalk.training.run import TrainConfig, train_run

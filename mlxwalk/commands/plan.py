@@ -134,7 +134,7 @@ def run(args) -> int:
 
     check(args)
     if args.backend == "torch":
-        return torch_module("planning").run(args)
+        return torch_module("plan_command").run(args)
     model, _ = models.load(args.model, tokenizer=False)
     limit = models.max_positions(model)
     if limit is not None and args.window > limit:

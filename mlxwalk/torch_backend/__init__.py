@@ -10,5 +10,6 @@ run's data, windows and report.
                  recomputing backward
   model.py       loading, the PEFT adapter, the footprint, the bundled tiny models for transformers
   exactness.py   `mlxwalk test-walk-exact --backend torch`
-  train.py       `mlxwalk train --backend torch`      planning.py  `mlxwalk plan --backend torch`
+  train.py       `mlxwalk train --backend torch`
+  plan_command.py  `mlxwalk plan --backend torch`
 """

@@ -1,5 +1,5 @@
-"""The mlx-lm plugin: python -m mlxwalk.lora with mlx_lm.lora's arguments and YAML, and
-mlxwalk.train with mlx-lm's TrainingArgs and TrainingCallback."""
+"""The mlx-lm drop-in (mlxwalk/dropin/): python -m mlxwalk.lora with mlx_lm.lora's arguments and
+YAML, and mlxwalk.train with mlx-lm's TrainingArgs and TrainingCallback."""
 
 import importlib.util
 import json
@@ -219,7 +219,7 @@ def test_lora_cli_takes_all_layers_a_partial_lora_mapping_and_refuses_a_missing_
 
 
 def test_the_training_report_averages_since_the_last_and_counts_tokens_throughout():
-    from mlxwalk.plugin.trainer import Tally
+    from mlxwalk.dropin.trainer import Tally
 
     class Seen:
         def __init__(self):
