@@ -11,7 +11,9 @@ both windows are decoded. A window's walk returns the gradient of its mean cross
     c * (n_c * g_c - n_r * g_r),  c = beta * sigmoid(-m),
 each g taken by the exact walk in one chunk's memory. Scaling a gradient after the walk equals
 signing the weights before it (the walk is linear in its weights), and keeps each window's
-loss the policy's own score, so one walk per window gives both m and the gradient.
+loss the policy's own score, so one walk per window gives both m and the gradient. SimPO (no
+reference, rewards beta * pi / n, a target margin gamma) is the same with the weights +1 and -1
+and c = beta * sigmoid(gamma - m) (simpo_gradient, one_graph_simpo).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from mlx.utils import tree_map
 from ..walk import PlainWalk, WalkConfig, Window, exact_gradient, one_graph, window_loss
 from ..walk.guards import check_finite
 from ..walk.loss import weighted_loss
-from .rewards import Pair, Scores, Terms, terms, walk_pair
+from .rewards import Pair, Scores, Terms, terms, walk_pair, walk_simpo
 
 WALKS = ("exact", "plain", "one-graph")
 
@@ -83,6 +85,18 @@ def pair_gradient(
     return t, walker.grads
 
 
+def simpo_gradient(
+    model: nn.Module, pair: Pair, beta: float, gamma: float, config: WalkConfig, walk="exact"
+) -> tuple[Terms, dict]:
+    """SimPO's terms and gradient for the pair, as pair_gradient gives DPO's (no reference)."""
+    if walk not in WALKS:
+        raise ValueError(f"walk {walk!r} is unknown; choose one of {', '.join(WALKS)}")
+    walker = _Walker(model, config, walk)
+    t = walk_simpo(pair, beta, gamma, walker)
+    mx.eval(walker.grads)
+    return t, walker.grads
+
+
 class _Walker:
     """training/objective.py's Walker over one model's walks: the pair's gradient summed here."""
 
@@ -128,6 +142,23 @@ def one_graph_loss(model: nn.Module, pair: Pair, reference: Scores, beta: float)
         pi_r = -weighted_loss(model(x_r), y_r, w_r, 1.0)
         margin = beta * ((pi_c - reference.chosen) - (pi_r - reference.rejected))
         return -nn.log_sigmoid(margin)
+
+    loss, grads = mx.value_and_grad(objective)(model.trainable_parameters())
+    mx.eval(loss, grads)
+    return loss.item(), grads
+
+
+def one_graph_simpo(model: nn.Module, pair: Pair, beta: float, gamma: float):
+    """SimPO's loss and gradient for the pair as one graph: -log sigmoid(beta (pi_c / n_c -
+    pi_r / n_r) - gamma), the definition simpo_gradient is checked against."""
+    x_c, y_c, w_c = _rows(pair.chosen)
+    x_r, y_r, w_r = _rows(pair.rejected)
+
+    def objective(params):
+        model.update(params)
+        mean_c = -weighted_loss(model(x_c), y_c, w_c, w_c.sum())
+        mean_r = -weighted_loss(model(x_r), y_r, w_r, w_r.sum())
+        return -nn.log_sigmoid(beta * (mean_c - mean_r) - gamma)
 
     loss, grads = mx.value_and_grad(objective)(model.trainable_parameters())
     mx.eval(loss, grads)

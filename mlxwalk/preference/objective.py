@@ -8,6 +8,8 @@ and kept on it, so later epochs read them; then the chosen and the rejected wind
 the signed weights +n_c and -n_r and the pair's share rescaled by c = beta sigmoid(-margin) once
 both losses are known (rewards.walk_pair): one exact gradient per pair, in one chunk's memory.
 Each pair counts once in a step's mean, as in mlx-lm-lora, and its metrics are mlx-lm-lora's.
+`--objective simpo` trains SimPO on the same pairs the same way, with no reference: its rewards
+are beta times the answers' mean log-probabilities, so the weights are +1 and -1 (walk_simpo).
 No array library here: both backends run it.
 """
 
@@ -20,7 +22,16 @@ from typing import ClassVar
 from ..errors import DataError
 from ..training import data
 from . import pairs
-from .rewards import Scores, Terms, policy_scores, reference_scores, terms, walk_pair
+from .rewards import (
+    Scores,
+    Terms,
+    policy_scores,
+    reference_scores,
+    simpo_terms,
+    terms,
+    walk_pair,
+    walk_simpo,
+)
 
 # name in the report and mlx-lm-lora's callback keys (train_/val_ before it): label in a line
 METRICS = {
@@ -90,9 +101,10 @@ def load(
     window: int | None,
     how: str = "left",
     mask_prompt: bool = True,
+    objective: str = "dpo",
 ) -> PairData:
     """`split`.jsonl of `folder` as pairs (data.load's arguments; only answers are labelled, so
-    `mask_prompt` changes nothing); a row that is not a pair is refused."""
+    `mask_prompt` changes nothing); a row that is not a pair is refused, naming `objective`."""
     path = Path(folder) / f"{split}.jsonl"
     out = PairData([], source=str(path))
     for number, row in data.numbered_rows(path):
@@ -100,8 +112,8 @@ def load(
         if not is_pair(row):
             keys = ", ".join(repr(k) for k in list(row)[:4]) or "no keys"
             raise DataError(
-                f"{where}: --objective dpo trains on preference pairs (rows with 'chosen' and "
-                f"'rejected', mlx-lm-lora's formats); this row has {keys}"
+                f"{where}: --objective {objective} trains on preference pairs (rows with "
+                f"'chosen' and 'rejected', mlx-lm-lora's formats); this row has {keys}"
             )
         sides = [pairs.example(tokenizer, m, where) for m in pairs.conversations(row, where)]
         pair = PairExample(*sides, where)
@@ -122,7 +134,7 @@ class DPO:
     references: int = field(default=0, compare=False)  # pairs whose reference this process decoded
 
     def load(self, *args, **kw) -> PairData:
-        return load(*args, **kw)
+        return load(*args, **kw, objective=self.name)
 
     def windows(self, item: PairExample) -> list:
         return [item.chosen, item.rejected]
@@ -153,3 +165,19 @@ class DPO:
             margins=t.margin,
         )
         return t.loss
+
+
+@dataclass
+class SimPO(DPO):
+    """SimPO's loss per pair, -log sigmoid(beta (pi_c / n_c - pi_r / n_r) - gamma): DPO's pairs,
+    each reward the answer's mean log-probability per labelled token, no reference."""
+
+    gamma: float = 0.5
+    name: str = "simpo"
+
+    def train(self, item: PairExample, walker) -> float:
+        return self.noted(walk_simpo(item, self.beta, self.gamma, walker), walker)
+
+    def evaluate(self, item: PairExample, walker) -> float:
+        means = [-walker.loss(side) for side in self.windows(item)]
+        return self.noted(simpo_terms(*means, self.beta, self.gamma), walker)

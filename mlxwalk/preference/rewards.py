@@ -7,7 +7,9 @@ log-probability of its n labelled tokens). DPO's gradient is
     dL = -beta sigmoid(-m) (d pi_c - d pi_r) = c (n_c g_c - n_r g_r),  c = beta sigmoid(-m),
 so the chosen window is walked with the weight +n_c, the rejected one with -n_r, and the pair's
 gradient is then scaled by c, known once both walks have given their losses (the walk is linear
-in its weights, so scaling after it equals signing the weights before it).
+in its weights, so scaling after it equals signing the weights before it). SimPO's reward is
+beta times the mean log-probability, -beta times the window's mean loss, with no reference: the
+weights are +1 and -1 and c = beta sigmoid(gamma - margin) (`walk_simpo`).
 """
 
 from __future__ import annotations
@@ -35,13 +37,14 @@ class Scores:
 
 @dataclass(frozen=True)
 class Terms:
-    """What a pair contributes, in mlx-lm-lora's terms (rewards are beta * (pi - ref))."""
+    """What a pair contributes, in mlx-lm-lora's terms (DPO's rewards are beta * (pi - ref),
+    SimPO's beta * pi / n)."""
 
-    loss: float  # -log sigmoid(margin)
+    loss: float  # -log sigmoid(margin) (SimPO's: of margin - gamma)
     margin: float  # chosen reward - rejected reward
     chosen_reward: float
     rejected_reward: float
-    weight: float  # beta * sigmoid(-margin): the factor on d pi_c - d pi_r
+    weight: float  # c, the factor on the walks' signed gradients: beta * sigmoid(-margin)
 
     @property
     def accurate(self) -> bool:
@@ -77,6 +80,27 @@ def walk_pair(pair: Pair, reference: Scores, beta: float, walker) -> Terms:
     mean_c = walker.gradient(pair.chosen, n_c)
     mean_r = walker.gradient(pair.rejected, -n_r)
     t = terms(Scores(-mean_c * n_c, -mean_r * n_r), reference, beta)
+    walker.rescale(t.weight)
+    return t
+
+
+def simpo_terms(chosen: float, rejected: float, beta: float, gamma: float) -> Terms:
+    """SimPO's terms from each answer's mean log-probability per labelled token (no reference):
+    rewards beta * mean, loss -log sigmoid(margin - gamma)."""
+    chosen, rejected = beta * chosen, beta * rejected
+    margin = chosen - rejected
+    short = gamma - margin  # how far the margin falls short of gamma
+    return Terms(softplus(short), margin, chosen, rejected, beta * sigmoid(short))
+
+
+def walk_simpo(pair: Pair, beta: float, gamma: float, walker) -> Terms:
+    """SimPO's pair on the walk: its rewards are beta times the windows' mean log-probabilities,
+    so each window's gradient (of its mean loss) enters with the weight +1 or -1, and the pair's
+    share is rescaled by c = beta sigmoid(gamma - margin):
+        dL = -sigmoid(gamma - m) beta (d pi_c / n_c - d pi_r / n_r) = c (g_c - g_r)."""
+    mean_c = walker.gradient(pair.chosen, 1.0)
+    mean_r = walker.gradient(pair.rejected, -1.0)
+    t = simpo_terms(-mean_c, -mean_r, beta, gamma)
     walker.rescale(t.weight)
     return t
 

@@ -92,6 +92,23 @@ def choice(name: str, value, allowed) -> None:
         raise ConfigError(f"{flag(name)} {value!r} is unknown; choose {' or '.join(allowed)}")
 
 
+PAIRED = ("dpo", "simpo")  # objectives over preference pairs
+OBJECTIVES = ("tokens", *PAIRED)
+
+
+def objective(name: str, beta: float, gamma: float, walk: str) -> None:
+    """--objective and its numbers (mlxwalk train's and the drop-in's)."""
+    choice("objective", name, OBJECTIVES)
+    positive("beta", beta)
+    if not (math.isfinite(gamma) and gamma >= 0):
+        raise ConfigError(f"--gamma must be a finite number of at least 0, got {gamma}")
+    if walk == "plain" and name in PAIRED:
+        raise ConfigError(
+            f"--objective {name}: the plain walk steps once per chunk, before a pair's weight "
+            f"(known once both its windows are walked) exists; {name} takes the exact walk"
+        )
+
+
 def option(default, help: str, **kw):
     """A field of TrainConfig: its default and its help, read by every place that shows it (the
     `mlxwalk train` and `mlxwalk plan` flags, the YAML keys, the report)."""
@@ -113,10 +130,14 @@ class TrainConfig:
     walk: str = option("exact", "exact (one step per window) or plain (one step per chunk)")
     objective: str = option(
         "tokens",
-        "tokens (cross-entropy on the labelled tokens) or dpo (preference pairs: prompt, chosen, "
-        "rejected, in mlx-lm-lora's formats; the reference is the model with the adapter off)",
+        "tokens (cross-entropy on the labelled tokens), dpo (preference pairs: prompt, chosen, "
+        "rejected, in mlx-lm-lora's formats; the reference is the model with the adapter off) "
+        "or simpo (the same pairs, length-normalized rewards, no reference)",
     )
-    beta: float = option(0.1, "DPO's beta: how far the policy may move from the reference")
+    beta: float = option(
+        0.1, "the rewards' scale, DPO's and SimPO's beta (DPO's: how far from the reference)"
+    )
+    gamma: float = option(0.5, "SimPO's target reward margin")
     window: int | None = option(
         None,
         "positions per window (default: the longest example, rounded up to the chunk)",
@@ -148,7 +169,7 @@ class TrainConfig:
     windows_per_step: int = option(
         1,
         "windows one optimizer step combines, per rank (the exact walk; the mean over their "
-        "labelled tokens); with --objective dpo, pairs (the mean over the pairs)",
+        "labelled tokens); with --objective dpo or simpo, pairs (the mean over the pairs)",
     )
     lr: float = option(1e-4, "learning rate (the peak, with a schedule)")
     lr_schedule: str | None = option(
@@ -193,7 +214,7 @@ class TrainConfig:
             setattr(self, f.name, coerce(f.name, getattr(self, f.name), str(f.type)))
         if self.walk not in ("exact", "plain"):
             raise ConfigError(f"walk {self.walk!r} cannot train; choose exact or plain")
-        choice("objective", self.objective, ("tokens", "dpo"))
+        objective(self.objective, self.beta, self.gamma, self.walk)
         choice("optimizer", self.optimizer, OPTIMIZERS)
         if self.lr_schedule is not None:
             choice("lr_schedule", self.lr_schedule, SCHEDULES)
@@ -210,7 +231,7 @@ class TrainConfig:
         at_least("steps_per_eval", self.steps_per_eval, 0, " (0 = at each epoch's end)")
         at_least("warmup", self.warmup, 0)
         layers(self.num_layers)
-        for name in ("lr", "scale", "host_budget_mib", "memory_budget_mib", "grad_clip", "beta"):
+        for name in ("lr", "scale", "host_budget_mib", "memory_budget_mib", "grad_clip"):
             positive(name, getattr(self, name))
         if self.weight_decay is not None and not 0 <= self.weight_decay < 1:
             raise ConfigError(f"--weight-decay must be in [0, 1), got {self.weight_decay}")
@@ -225,11 +246,6 @@ class TrainConfig:
         if self.resume and self.overwrite:
             raise ConfigError(
                 "--resume continues the run in the adapter path, --overwrite replaces it: give one"
-            )
-        if self.walk == "plain" and self.objective == "dpo":
-            raise ConfigError(
-                "--objective dpo: the plain walk steps once per chunk, before a pair's weight "
-                "(known once both its windows are walked) exists; DPO takes the exact walk"
             )
         if self.walk == "plain" and self.windows_per_step > 1:
             raise ConfigError(

@@ -6,11 +6,11 @@ through the walk's two ways of reading a window: with gradient (`Walker.gradient
 (`Walker.loss`, the adapter on or off). The loop (run.py) and the step (step.py) take any
 objective; `TokenLoss`, the mean cross-entropy over a window's labelled tokens (mlx-lm's
 `default_loss`, walked), is the default. An item is what the loop draws in the epoch's order: a
-window for `TokenLoss`, a preference pair for DPO (preference/objective.py), which walks each of
-its windows with gradient and then rescales the pair's share by a weight known only once both
-losses are (`Walker.rescale`). The numbers an objective reports beside its loss (`metrics`: DPO's
-rewards, accuracy and margin) travel with the loss through the step's reduction to the run's
-lines, epochs and report (`Walker.note`).
+window for `TokenLoss`, a preference pair for DPO and SimPO (preference/objective.py), which walk
+each of its windows with gradient and then rescale the pair's share by a weight known only once
+both losses are (`Walker.rescale`). The numbers an objective reports beside its loss (`metrics`:
+the pairs' rewards, accuracy and margin) travel with the loss through the step's reduction to the
+run's lines, epochs and report (`Walker.note`).
 
 Callbacks hear the run as mlx-lm's `TrainingCallback` does (the same two methods and keys), so
 one of mlx-lm's may be passed as it is.
@@ -92,7 +92,7 @@ class TokenLoss:
         if rows and "chosen" in rows[0][1] and "rejected" in rows[0][1]:
             raise DataError(
                 f"{path}:{rows[0][0]}: a preference pair ('chosen' and 'rejected'); train "
-                "preference data with --objective dpo"
+                "preference data with --objective dpo (or simpo)"
             )
         return data.load(folder, split, tokenizer, window, how, mask_prompt)
 
@@ -110,15 +110,18 @@ class TokenLoss:
 
 
 TOKENS = TokenLoss()
-OBJECTIVES = ("tokens", "dpo")
 
 
 def of(cfg) -> Objective:
-    """The objective a run's config names (--objective, --beta)."""
+    """The objective a run's config names (--objective, --beta, --gamma)."""
     if cfg.objective == "dpo":
         from ..preference.objective import DPO
 
         return DPO(cfg.beta)
+    if cfg.objective == "simpo":
+        from ..preference.objective import SimPO
+
+        return SimPO(beta=cfg.beta, gamma=cfg.gamma)
     return TOKENS
 
 

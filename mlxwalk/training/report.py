@@ -13,6 +13,8 @@ from pathlib import Path
 from ..plan import MIB
 from .files import atomic_write
 
+NAMES = {"dpo": "DPO", "simpo": "SimPO"}  # objectives as the plot names them
+
 
 @dataclass
 class Epoch:
@@ -206,7 +208,9 @@ def table(epochs: list[dict], objective=None) -> str:
     return "\n".join(rows)
 
 
-def plot(epochs: list[dict], file, window_losses=None, evals_between=None) -> None:
+def plot(
+    epochs: list[dict], file, window_losses=None, evals_between=None, objective: str = "tokens"
+) -> None:
     """Training loss per window (epochs marked by vertical lines) and eval loss at each epoch's
     end; without per-window losses, the epochs' mean training loss."""
     import matplotlib
@@ -239,7 +243,8 @@ def plot(epochs: list[dict], file, window_losses=None, evals_between=None) -> No
     if evals:
         ax.plot(*zip(*evals), marker="s", label="eval")
     ax.set_xlabel("window" if window_losses else "epoch")
-    ax.set_ylabel("DPO loss per pair" if shown else "loss (mean cross-entropy per labelled token)")
+    per = f"{NAMES.get(objective, objective)} loss per pair"
+    ax.set_ylabel(per if shown else "loss (mean cross-entropy per labelled token)")
     ax.set_title("training and eval loss")
     ax.legend()
     fig.tight_layout()
@@ -311,5 +316,11 @@ def write(folder: Path, summary: dict) -> None:
     atomic_write(Path(folder) / "report.json", lambda p: Path(p).write_text(text))
     if summary["epochs"]:  # drawn in memory first: the temporary file lives only for the write
         png = io.BytesIO()
-        plot(summary["epochs"], png, summary.get("window_losses"), summary.get("evals_between"))
+        plot(
+            summary["epochs"],
+            png,
+            summary.get("window_losses"),
+            summary.get("evals_between"),
+            summary.get("objective", "tokens"),
+        )
         atomic_write(Path(folder) / "loss.png", lambda p: Path(p).write_bytes(png.getvalue()))
