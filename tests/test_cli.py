@@ -25,9 +25,21 @@ def test_test_walk_exact_json_on_a_model_folder():
     )
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
-    assert out["ok"] and len(out["rows"]) == 14
+    assert out["ok"] and len(out["rows"]) == 16
     rows = {r["row"] for r in out["rows"]}
-    assert rows == {"(1)", "(1a)", "(1b)", "(1c)", "(2)", "(3)", "(7)", "(7b)", "(8)", "(8b)"}
+    assert rows == {
+        "(1)",
+        "(1a)",
+        "(1b)",
+        "(1c)",
+        "(2)",
+        "(3)",
+        "(7)",
+        "(7b)",
+        "(8)",
+        "(8b)",
+        "(9)",
+    }
     assert all(r["rel_l2"] <= 2e-5 for r in out["rows"] if r["bar"] == grading.EXACT)
 
 

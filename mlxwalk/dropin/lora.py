@@ -11,8 +11,9 @@ the same seed), and writes mlx-lm's adapter files. Differences, each by design:
   fine_tune_type      lora only (dora and full are refused)
   report_to           wandb/swanlab through mlx-lm's callbacks, when installed
 Adds the walk's options (--walk, --chunk, --horizon, --cache-type, --host-budget-mib,
---memory-budget-mib, --strict-exact, --overwrite). What the walk can't honour is refused in one
-line.
+--memory-budget-mib, --strict-exact, --overwrite) and `mlxwalk train`'s objectives: --objective
+dpo or simpo (--beta, --gamma) trains on preference pairs in mlx-lm-lora's formats
+(preference.py). What the walk can't honour is refused in one line.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from ..training.options import with_default
 from ..training.ranks import Ranks
 from ..walk import WalkConfig, arch, machine
 from ..walk.store import check_cache_type
+from .preference import metrics_said
 from .trainer import NO_CUT
 
 # mlx_lm.lora's own options, from its own table of defaults, with the walk's differences.
@@ -59,6 +61,9 @@ WALK_OPTIONS = (
     "strict_exact",
     "follow_runs",
     "overwrite",
+    "objective",
+    "beta",
+    "gamma",
 )
 
 
@@ -187,7 +192,7 @@ def typed(values: dict) -> dict:
 
 def refuse(o) -> None:
     """What the walk can't honour, or values that make no sense, each named by its flag."""
-    from ..training.config import at_least, layers, positive
+    from ..training.config import at_least, layers, objective, positive
 
     o.optimizer = str(o.optimizer).lower()  # as mlx_lm.lora reads it
     given = o.lora_parameters
@@ -219,6 +224,12 @@ def refuse(o) -> None:
         raise ConfigError("--model is required")
     if o.walk not in ("exact", "plain"):
         raise ConfigError(f"walk {o.walk!r} cannot train; choose exact or plain")
+    objective(o.objective, o.beta, o.gamma, o.walk)
+    if o.objective != "tokens" and o.hf_dataset:
+        raise ConfigError(
+            f"--objective {o.objective} reads preference pairs from a local --data folder, "
+            "not hf_dataset"
+        )
     for name in (
         "iters",
         "steps_per_report",
@@ -321,7 +332,8 @@ class PrintCallback:
 
     def on_train_loss_report(self, info: dict) -> None:
         print(
-            f"Iter {info['iteration']}: Train loss {info['train_loss']:.3f}, "
+            f"Iter {info['iteration']}: Train loss {info['train_loss']:.3f}"
+            f"{metrics_said(info, 'train')}, "
             f"Learning Rate {info['learning_rate']:.3e}, "
             f"It/sec {info['iterations_per_second']:.3f}, "
             f"Tokens/sec {info['tokens_per_second']:.1f}, "
@@ -334,7 +346,8 @@ class PrintCallback:
 
     def on_val_loss_report(self, info: dict) -> None:
         print(
-            f"Iter {info['iteration']}: Val loss {info['val_loss']:.3f}, "
+            f"Iter {info['iteration']}: Val loss {info['val_loss']:.3f}"
+            f"{metrics_said(info, 'val')}, "
             f"Val took {info['val_time']:.3f}s",
             flush=True,
         )
@@ -392,7 +405,8 @@ def fine_tune(o, walk_config, ranks: Ranks, training_callback=None) -> None:
     from mlx_lm.tuner.datasets import CacheDataset, load_dataset
 
     from ..training import models
-    from . import trainer
+    from ..training import objective as objectives
+    from . import preference, trainer
 
     np.random.seed(o.seed)  # the data order, as mlx_lm.lora seeds it
     callback = reporting(o, training_callback) if o.train else None
@@ -402,20 +416,23 @@ def fine_tune(o, walk_config, ranks: Ranks, training_callback=None) -> None:
     if memory is not None and o.train and o.walk == "exact" and ranks.leader:
         print(f"memory budget: {memory.said()}, as no --memory-budget-mib is given", flush=True)
     walk_config = replace(walk_config, memory_budget_mib=budget_mib)
-    train_set, valid_set, test_set = load_dataset(o, tokenizer)
+    objective = objectives.of(o) if o.objective != "tokens" else None
+    if objective is not None:  # preference pairs: mlx-lm's loaders know none
+        vocab = arch.inspect(model).vocab
+        train_set, valid_set, test_set = preference.load(o, tokenizer, objective, vocab)
+    else:
+        train_set, valid_set, test_set = map(CacheDataset, load_dataset(o, tokenizer))
     args = training_args(o)
     if o.train:
-        train(
-            o, model, CacheDataset(train_set), CacheDataset(valid_set), args, walk_config, callback
-        )
+        train(o, model, train_set, valid_set, args, walk_config, callback, objective)
     elif o.adapter_path:
         load_adapter(model, o.adapter_path)
     else:
         print("Testing the base model (no adapter)", flush=True)
-    if o.test:
-        loss = trainer.evaluate(
-            model, CacheDataset(test_set), args, walk_config, o.test_batches, ranks=ranks
-        )
+    if o.test and objective is not None:
+        preference.test(model, test_set, objective, walk_config, o.test_batches, ranks)
+    elif o.test:
+        loss = trainer.evaluate(model, test_set, args, walk_config, o.test_batches, ranks=ranks)
         if ranks.leader:
             print(f"Test loss {loss:.3f}, Test ppl {math.exp(loss):.3f}.", flush=True)
 
@@ -458,13 +475,15 @@ def make_optimizer(o):
         raise ConfigError(f"optimizer_config for {o.optimizer}: {e}") from None
 
 
-def train(o, model, train_set, valid_set, args, walk_config, callback) -> None:
+def train(o, model, train_set, valid_set, args, walk_config, callback, objective=None) -> None:
+    """The adapter on `model` as mlx_lm.lora makes it, then the walk's training: mlx-lm's
+    batches, or with `objective` (DPO's, SimPO's) preference pairs (preference.py)."""
     import mlx.core as mx
     from mlx_lm.tuner.utils import linear_to_lora_layers
 
     from ..training import adapters
     from ..training.files import load_safetensors
-    from . import trainer
+    from . import preference, trainer
 
     mx.random.seed(o.seed)  # the adapter's initial values, as mlx_lm.lora seeds them
     model.freeze()
@@ -492,20 +511,15 @@ def train(o, model, train_set, valid_set, args, walk_config, callback) -> None:
             raise ConfigError(f"--resume-adapter-file {file} does not exist")
         adapters.load_strict(model, load_safetensors(file), str(file))
         print(f"Loading fine-tuned weights from {file}", flush=True)
-    announce_cuts(train_set, o.max_seq_length)
+    if objective is None:
+        announce_cuts(train_set, o.max_seq_length)
     optimizer = make_optimizer(o)
     config = {**{k: v for k, v in vars(o).items() if k != "overwrite"}, "fine_tune_type": "lora"}
-    trainer.train(
-        model,
-        optimizer,
-        train_set,
-        valid_set,
-        args,
-        training_callback=callback,
-        walk=o.walk,
-        walk_config=walk_config,
-        adapter_config=config,
-    )
+    common = dict(training_callback=callback, walk_config=walk_config, adapter_config=config)
+    if objective is not None:
+        preference.train(model, optimizer, train_set, valid_set, args, objective, **common)
+    else:
+        trainer.train(model, optimizer, train_set, valid_set, args, walk=o.walk, **common)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -177,22 +177,27 @@ def train(
 
 class Tally:
     """The training report's sums since the last report, told to mlx-lm's `TrainingCallback`
-    (None: no rank but the leader speaks) under its keys."""
+    (None: no rank but the leader speaks) under its keys; an objective's metrics (DPO's rewards,
+    accuracy, margin) as train_<name> and val_<name>, mlx-lm-lora's keys."""
 
     def __init__(self, callback, optimizer):
         self.callback, self.optimizer = callback, optimizer
         self.trained = 0
         self.losses, self.tokens, self.steps, self.elapsed = 0.0, 0, 0, 0.0
+        self.metrics: dict[str, float] = {}
 
-    def add(self, loss: float, weight: float, seconds: float) -> None:
+    def add(self, loss: float, weight: float, seconds: float, metrics: dict | None = None) -> None:
         self.losses += loss
         self.tokens += int(weight)
         self.steps += 1
         self.elapsed += seconds
+        for k, v in (metrics or {}).items():
+            self.metrics[k] = self.metrics.get(k, 0.0) + v
 
-    def validated(self, it: int, val_loss: float, seconds: float) -> None:
+    def validated(self, it: int, val_loss: float, seconds: float, metrics=None) -> None:
         if self.callback is not None:
             report = {"iteration": it, "val_loss": val_loss, "val_time": seconds}
+            report.update({f"val_{k}": v for k, v in (metrics or {}).items()})
             self.callback.on_val_loss_report(report)
 
     def report(self, it: int) -> None:
@@ -207,9 +212,11 @@ class Tally:
                     "tokens_per_second": self.tokens / self.elapsed,
                     "trained_tokens": self.trained,
                     "peak_memory": mx.get_peak_memory() / 1e9,
+                    **{f"train_{k}": v / self.steps for k, v in self.metrics.items()},
                 }
             )
         self.losses, self.tokens, self.steps, self.elapsed = 0.0, 0, 0, 0.0
+        self.metrics = {}
 
 
 def step(fw: MLXFramework, batch, lengths, it: int, args, config: WindowStep):

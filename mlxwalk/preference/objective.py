@@ -106,9 +106,8 @@ def load(
     """`split`.jsonl of `folder` as pairs (data.load's arguments; only answers are labelled, so
     `mask_prompt` changes nothing); a row that is not a pair is refused, naming `objective`."""
     path = Path(folder) / f"{split}.jsonl"
-    out = PairData([], source=str(path))
-    for number, row in data.numbered_rows(path):
-        where = f"{path}:{number}"
+
+    def pair(row: dict, where: str) -> PairExample:
         if not is_pair(row):
             keys = ", ".join(repr(k) for k in list(row)[:4]) or "no keys"
             raise DataError(
@@ -116,11 +115,9 @@ def load(
                 f"'chosen' and 'rejected', mlx-lm-lora's formats); this row has {keys}"
             )
         sides = [pairs.example(tokenizer, m, where) for m in pairs.conversations(row, where)]
-        pair = PairExample(*sides, where)
-        if len(pair) < 1 or pair.trainable == 0:
-            out.skip(pair)
-        else:
-            out.examples.append(pair)
+        return PairExample(*sides, where)
+
+    out = data.gather(PairData([], source=str(path)), path, pair)
     return out if window is None else out.fitted(window, how)
 
 

@@ -439,14 +439,24 @@ def load(
 ) -> Dataset:
     """`split`.jsonl of `folder` as windows; window None keeps every example whole."""
     path = Path(folder) / f"{split}.jsonl"
-    data = Dataset([], source=str(path))
-    for number, row in numbered_rows(path):
-        ex = to_example(tokenizer, row, f"{path}:{number}", mask_prompt)
-        if len(ex) < 1 or ex.trainable == 0:
-            data.skip(ex)
-        else:
-            data.examples.append(ex)
+    data = gather(
+        Dataset([], source=str(path)),
+        path,
+        lambda row, where: to_example(tokenizer, row, where, mask_prompt),
+    )
     return data if window is None else data.fitted(window, how)
+
+
+def gather(into, path: Path, make):
+    """`into` (a Dataset, or preference pairs) with `make(row, "file:line")` of each row of
+    `path`: the example, kept if it has a labelled token, else counted as skipped."""
+    for number, row in numbered_rows(path):
+        example = make(row, f"{path}:{number}")
+        if len(example) < 1 or example.trainable == 0:
+            into.skip(example)
+        else:
+            into.examples.append(example)
+    return into
 
 
 def check_folder(folder) -> Path:

@@ -40,6 +40,10 @@ def load(cfg, folder: Path, loaded, ranks: int, echo, objective=TOKENS) -> Windo
             f"{whole.skipped} rows, each skipped)"
         )
     whole.check_ids(vocab)
+    held_out = None  # valid.jsonl, read whole beside train and cut to the same window below
+    if (folder / "valid.jsonl").exists():
+        held_out = objective.load(folder, "valid", tokenizer, None, mask_prompt=cfg.mask_prompt)
+        held_out.check_ids(vocab)
     longest = max(len(e) for e in whole.examples)
     asked = cfg.window or cfg.chunk * math.ceil(longest / cfg.chunk)
     window = min(asked, limit) if limit else asked
@@ -50,9 +54,8 @@ def load(cfg, folder: Path, loaded, ranks: int, echo, objective=TOKENS) -> Windo
             f"{window} tokens ({train.cut_away} cut away, --fit {cfg.fit}); raise "
             "--window" + (" or try --fit middle" if cfg.fit == "left" else "")
         )
-    if (folder / "valid.jsonl").exists():
-        valid = objective.load(folder, "valid", tokenizer, window, cfg.fit, cfg.mask_prompt)
-        valid.check_ids(vocab)
+    if held_out is not None:
+        valid = held_out.fitted(window, cfg.fit)
     else:
         order = np.random.default_rng(cfg.seed).permutation(len(train.examples))
         n_valid = int(round(len(order) * cfg.val_split))
