@@ -141,7 +141,19 @@ def _weights(labels: Labels, spans: list[tuple[int, int]]) -> list[float]:
 def cut(weights: Sequence[float] | Labels, chunk: int, follow_runs: bool = True) -> list[Chunk]:
     """Chunks of at most `chunk` positions, stopping at the last label. They follow the runs
     (no chunk crosses a change of weight) unless `follow_runs` is off, when they are simply
-    consecutive: a chat's many short turns would otherwise make many small chunks."""
+    consecutive: a chat's many short turns would otherwise make many small chunks.
+
+    Args:
+        weights: the window's loss weight per position (length L; 0 unlabelled), or its Labels.
+        chunk: the most positions a chunk holds (>= 1).
+        follow_runs: cut at every change of weight as well.
+
+    Returns:
+        The chunks in order, covering [0, last labelled position + 1); each with its weight.
+
+    Raises:
+        ConfigError for chunk < 1; DataError when no position is labelled.
+    """
     if chunk < 1:
         raise ConfigError(f"chunk must be at least 1, got {chunk}")
     labels = weights if isinstance(weights, Labels) else Labels.of(weights)
@@ -166,6 +178,14 @@ def mark(chunks: Sequence[Chunk], horizon: int, recurrent: bool) -> list[Chunk]:
 
     A chunk is needed when it is labelled, or a later needed chunk reads its K/V inside the horizon,
     or (recurrent models) a later needed chunk starts from its state.
+
+    Args:
+        chunks: `cut`'s chunks, in order.
+        horizon: how many positions back a chunk's gradient reaches (0: the whole window).
+        recurrent: the model carries a recurrent state between chunks (a hybrid).
+
+    Returns:
+        The same chunks with `needed` and `grad_from` set.
     """
     marked: list[Chunk] = []
     reach = math.inf  # smallest grad_from among the needed chunks after this one
@@ -239,9 +259,23 @@ def plan_window(
     accumulator_element_bytes: int = 4,
     follow_runs: bool = True,
 ) -> Plan:
-    """The exact walk's plan for one window, or OutOfMemory when the host budget can't hold it.
+    """The exact walk's plan for one window: plain data, no model or array needed.
 
-    weights: per position, or as Labels; host_budget is in bytes (None = unbounded).
+    Args:
+        weights: the window's loss weight per position (length L; 0 unlabelled), or its Labels.
+        chunk: the most positions a chunk holds.
+        footprint: the model's per-position K/V width and recurrent state size (`Footprint`).
+        horizon: how many positions back a chunk's gradient reaches (0: the whole window, exact).
+        host_budget: bytes the K/V gradient accumulators and state checkpoints may take (None:
+            unbounded); the checkpoint stride grows until they fit.
+        accumulator_element_bytes: 4 for float32 accumulators, 2 for bfloat16.
+        follow_runs: chunks end at every change of weight as well (`cut`).
+
+    Returns:
+        The Plan: its chunks marked (`mark`), accumulator bytes, checkpoint stride and bytes.
+
+    Raises:
+        ConfigError for a negative horizon; OutOfMemory when no stride fits the host budget.
     """
     if horizon < 0:
         raise ConfigError(f"horizon must be 0 (the whole window) or positive, got {horizon}")
@@ -275,7 +309,18 @@ Q_GROUPS = (32, 64, 128)  # the group sizes mx.quantize takes
 
 def check_cache_type(cache_type: str, head_dims: tuple[int, ...] = ()) -> str:
     """The cache type, or a refusal: an unknown name, or q8 for head dimensions MLX can't
-    quantize (its groups are 32, 64 or 128 wide)."""
+    quantize (its groups are 32, 64 or 128 wide).
+
+    Args:
+        cache_type: one of CACHE_TYPES, the K/V store's element type.
+        head_dims: the model's attention head dimensions (checked for q8 only).
+
+    Returns:
+        `cache_type` unchanged.
+
+    Raises:
+        ConfigError naming the flag and what it takes.
+    """
     if cache_type not in CACHE_TYPES:
         raise ConfigError(
             f"--cache-type {cache_type!r} is unknown; choose one of {', '.join(CACHE_TYPES)}"
