@@ -1,38 +1,27 @@
-"""Read, build, cache and launch the kernels: one `Spec` per kernel, one `Launch` per call."""
+"""Build, cache and launch the kernels with MLX: one `Spec` per kernel (sources.py, with the
+reading of their text), one `Launch` per call."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cache
-from pathlib import Path
 
 import mlx.core as mx
 
-ROOT = Path(__file__).resolve().parent
-BACKENDS = ("metal", "cuda")
-_SOURCE = {"metal": ".metal", "cuda": ".cu"}
-_HEADER = {"metal": ".metal", "cuda": ".cuh"}
-MMA = ROOT / "mma.cuh"  # the CUDA tensor-core primitives (mma.sync, ldmatrix, cp.async)
+from .sources import BACKENDS, MMA, ROOT, Spec, header_files, source
 
-
-@dataclass(frozen=True)
-class Spec:
-    """A kernel: its source stem under metal_kernels/ (`attention/forward` reads
-    `attention/forward.metal` or `.cu`, and the folder's headers, `common.metal` or `.cuh` by
-    default, as the header), the names of its buffers in the order they are passed, and the
-    backends it has a source for. A kernel on the tensor cores takes mma.cuh ahead of its
-    headers in CUDA."""
-
-    stem: str
-    inputs: tuple[str, ...]
-    outputs: tuple[str, ...]
-    headers: tuple[str, ...] = ("common",)
-    backends: tuple[str, ...] = ("metal", "cuda")
-    tensor_cores: bool = False
-
-    @property
-    def name(self) -> str:
-        return "mlxwalk_" + self.stem.replace("/", "_")
+__all__ = [
+    "BACKENDS",
+    "MMA",
+    "ROOT",
+    "Launch",
+    "Spec",
+    "current_backend",
+    "header_files",
+    "kernel",
+    "launch",
+    "source",
+]
 
 
 @dataclass
@@ -57,19 +46,6 @@ def current_backend() -> str | None:
     if mx.cuda.is_available():
         return "cuda"
     return None
-
-
-def header_files(spec: Spec, backend: str) -> list[Path]:
-    """The files of a kernel's header for a backend, in order."""
-    folder = (ROOT / spec.stem).parent
-    files = [folder / (h + _HEADER[backend]) for h in spec.headers]
-    return [MMA, *files] if backend == "cuda" and spec.tensor_cores else files
-
-
-def source(spec: Spec, backend: str) -> tuple[str, str]:
-    """(header, body) of a kernel for a backend."""
-    header = "\n".join(h.read_text() for h in header_files(spec, backend))
-    return header, (ROOT / (spec.stem + _SOURCE[backend])).read_text()
 
 
 @cache

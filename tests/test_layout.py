@@ -187,7 +187,16 @@ TORCH_SIDE = (
     "mlxwalk.torch_backend",
     *(
         f"mlxwalk.torch_backend.{m}"
-        for m in ("walk", "exactness", "plan_command", "budget", "model", "cache", "recurrent")
+        for m in (
+            "walk",
+            "exactness",
+            "plan_command",
+            "budget",
+            "model",
+            "cache",
+            "recurrent",
+            "delta_kernels",
+        )
     ),
 )
 

@@ -34,8 +34,8 @@ def _unit(call: Launch) -> str:
     head, _ = source(call.spec, "cuda")
     kernel = cuda_source.render(call, "kernel", header=False)
     n = len(call.spec.inputs) + len(call.spec.outputs)
-    types = [cuda_source._TYPES[a.dtype] for a in call.inputs]
-    types += [cuda_source._TYPES[d] for d in call.output_dtypes]
+    types = [cuda_source.ctype(a.dtype) for a in call.inputs]
+    types += [cuda_source.ctype(d) for d in call.output_dtypes]
     args = [
         f"({'const ' if i < len(call.inputs) else ''}{t}*)buf[{i}]" for i, t in enumerate(types)
     ]

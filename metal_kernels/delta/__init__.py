@@ -11,14 +11,18 @@ inputs and outputs are float32 (the op computes its chunk factors in float32).
 
 The whole op, forward and backward, on the matrix units is another set of kernels beside these
 (prepare, states, output, states_back, grads, prepare_back): `chunked.py` runs them,
-`blocks.py` holds their block shapes, `traffic.py` what they move.
+`blocks.py` holds their block shapes, `traffic.py` what they move. MLX is imported by the
+launch builders only: this package's plain parts (blocks.py, pipeline.py) import without it.
 """
 
 from __future__ import annotations
 
-import mlx.core as mx
+from typing import TYPE_CHECKING
 
-from ..build import Launch, Spec
+from ..sources import Spec
+
+if TYPE_CHECKING:
+    from ..build import Launch
 
 ROWS = 4  # state rows (simdgroups of 32 threads) per threadgroup
 MAX_CHUNK = 256  # threadgroup memory: two floats per position per row, and the row
@@ -41,6 +45,10 @@ def _grid(rows: int) -> dict:
 def scan_launch(u0, w, qg, p, kd, g_end, s0, keep: bool = True) -> Launch:
     """u0 (N, H, C, DV); w, qg, kd (N, H, C, DK); p (N, H, C, C); g_end (N, H); s0 (H, DV, DK).
     `keep`: write the state entering every chunk (else that output is a placeholder)."""
+    import mlx.core as mx
+
+    from ..build import Launch
+
     n, h, c, dv = u0.shape
     dk = w.shape[-1]
     params = mx.array([n, h, dv], mx.int32)
@@ -52,6 +60,10 @@ def scan_launch(u0, w, qg, p, kd, g_end, s0, keep: bool = True) -> Launch:
 
 def scan_back_launch(w, qg, p, kd, g_end, d_out, ds_in) -> Launch:
     """As scan_launch's, with d_out (N, H, C, DV) and ds_in (H, DV, DK)."""
+    import mlx.core as mx
+
+    from ..build import Launch
+
     n, h, c, dv = d_out.shape
     dk = w.shape[-1]
     params = mx.array([n, h, dv], mx.int32)

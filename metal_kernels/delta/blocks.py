@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import mlx.core as mx
+from ..sources import dtype_name
 
 THREADGROUP_MEMORY = 32768  # bytes a threadgroup may use on Apple GPUs
 CORE_MEMORY = 61440  # bytes of threadgroup memory a GPU core holds, about (metal-benchmarks)
@@ -220,15 +220,16 @@ METAL: dict[tuple[str, int, str], MetalBlocks] = {
 METAL_DIMS = tuple(sorted({dim for _, dim, _ in METAL}))
 
 
-def width(dtype: mx.Dtype) -> str:
-    return "float" if dtype == mx.float32 else "half"
+def width(dtype) -> str:
+    """The tables' width of a dtype (MLX's, torch's or its name): float32's, or a half's."""
+    return "float" if dtype_name(dtype) == "float32" else "half"
 
 
-def metal(kernel: str, dim: int, dtype: mx.Dtype) -> MetalBlocks:
+def metal(kernel: str, dim: int, dtype) -> MetalBlocks:
     return METAL[(kernel, dim, width(dtype))]
 
 
-def metal_threadgroup_bytes(kernel: str, dim: int, dtype: mx.Dtype) -> int:
+def metal_threadgroup_bytes(kernel: str, dim: int, dtype) -> int:
     """Threadgroup memory of a Metal kernel as its body declares it (dk = dv = dim)."""
     g = metal(kernel, dim, dtype)
     size = 4 if width(dtype) == "float" else 2
@@ -260,7 +261,7 @@ def metal_threadgroup_bytes(kernel: str, dim: int, dtype: mx.Dtype) -> int:
     return 2 * CHUNK * (g["SL"] + 4) * 4 + 2 * tri + 5 * CHUNK * 4
 
 
-def metal_simdgroups_per_core(kernel: str, dim: int, dtype: mx.Dtype) -> int:
+def metal_simdgroups_per_core(kernel: str, dim: int, dtype) -> int:
     """Simdgroups a GPU core keeps resident by the threadgroup-memory estimate: the threadgroups
     that fit in CORE_MEMORY, times the kernel's simdgroups each."""
     per_group = metal_threadgroup_bytes(kernel, dim, dtype)
@@ -407,7 +408,7 @@ CUDA: dict[tuple[str, int, str], CudaBlocks] = {
 CUDA_DIMS = tuple(sorted({dim for _, dim, _ in CUDA}))
 
 
-def cuda(kernel: str, dim: int, dtype: mx.Dtype) -> CudaBlocks:
+def cuda(kernel: str, dim: int, dtype) -> CudaBlocks:
     return CUDA[(kernel, dim, width(dtype))]
 
 
@@ -415,7 +416,7 @@ def _region(n: int, itemsize: int) -> int:
     return (n * itemsize + 15) // 16 * 16
 
 
-def cuda_shared_bytes(kernel: str, dk: int, dv: int, dtype: mx.Dtype, b: CudaBlocks) -> int:
+def cuda_shared_bytes(kernel: str, dk: int, dv: int, dtype, b: CudaBlocks) -> int:
     """Dynamic shared memory of a CUDA kernel as its body carves it (checked there at compile
     time against the launch's: the template SMEM)."""
     half = width(dtype) == "half"

@@ -34,121 +34,45 @@ Every kernel takes `params` = [B, L, HK, HV, N, KB] (int32) and the template T (
 and its block shape; its header is `tiles` (tiles.metal; a CUDA twin's tiles.cuh), its buffers
 and their layouts the same on every backend. A launch's grid, block and block template come from
 `GEOMETRY[backend]` (Metal's: `metal_geometry`, from blocks.METAL); another backend registers
-its own function there, taking (kernel, Sizes, dtype) and returning a Geometry.
+its own function there, taking (kernel, Sizes, dtype) and returning a Geometry. Those plain parts
+(the specs, Sizes, the geometries, params and the buffers' shapes) are pipeline.py's, without
+MLX: the torch backend launches the same kernels from them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from ..build import ROOT, Launch, Spec, current_backend, launch
-from . import blocks
+from ..build import Launch, current_backend, launch
+from . import pipeline
+from .pipeline import (  # noqa: F401  (this module's names before pipeline.py held them)
+    CHUNK,
+    GEOMETRY,
+    GRADS,
+    OUTPUT,
+    PREPARE,
+    PREPARE_BACK,
+    SPECS,
+    STATES,
+    STATES_BACK,
+    Geometry,
+    Sizes,
+    cuda_geometry,
+    metal_geometry,
+)
 
 Runner = Callable[[Launch], list[mx.array]]
-CHUNK = blocks.CHUNK
 FLOATS = (mx.float32, mx.float16, mx.bfloat16)
 
 
-def _spec(stem: str, inputs: tuple[str, ...], outputs: tuple[str, ...]) -> Spec:
-    """A kernel of this pipeline, with the backends it has a source for (`.metal`, `.cu`)."""
-    found = tuple(
-        b for b, ext in (("metal", ".metal"), ("cuda", ".cu")) if (ROOT / (stem + ext)).exists()
-    )
-    return Spec(stem, inputs, outputs, headers=("tiles",), backends=found, tensor_cores=True)
-
-
-PREPARE = _spec("delta/prepare", ("k", "v", "log_g", "beta", "params"), ("cum", "w", "u", "tri"))
-STATES = _spec(
-    "delta/states", ("k", "w", "u", "cum", "state", "params"), ("h", "v_new", "final_state")
-)
-OUTPUT = _spec("delta/output", ("q", "k", "cum", "h", "v_new", "params"), ("y",))
-STATES_BACK = _spec(
-    "delta/states_back",
-    ("q", "k", "w", "cum", "d_out", "d_final", "params"),
-    ("dh", "dv_new", "d_state"),
-)
-GRADS = _spec(
-    "delta/grads",
-    ("q", "k", "cum", "h", "v_new", "dh", "dv_new", "d_out", "params"),
-    ("dq", "dk", "dw", "dcum"),
-)
-PREPARE_BACK = _spec(
-    "delta/prepare_back",
-    ("k", "v", "beta", "cum", "tri", "dw", "dv_new", "dk_in", "dcum", "params"),
-    ("dk", "dv", "dlog_g", "dbeta"),
-)
-SPECS = dict(zip(blocks.KERNELS, (PREPARE, STATES, OUTPUT, STATES_BACK, GRADS, PREPARE_BACK)))
-
-
-@dataclass(frozen=True)
-class Sizes:
-    batch: int
-    length: int
-    key_heads: int
-    value_heads: int
-    dk: int
-    dv: int
-
-    @classmethod
-    def of(cls, q: mx.array, v: mx.array) -> Sizes:
-        b, t, hk, dk = q.shape
-        return cls(b, t, hk, v.shape[2], dk, v.shape[3])
-
-    @property
-    def chunks(self) -> int:
-        return -(-self.length // CHUNK)
-
-    @property
-    def padded(self) -> int:
-        return self.chunks * CHUNK
-
-
-@dataclass
-class Geometry:
-    """A launch's grid, threadgroup (block) and block template; `key_blocks`: grads's blocks of
-    key columns (the partials of dcum); `shared_memory`: dynamic shared memory (CUDA)."""
-
-    grid: tuple[int, int, int]
-    threadgroup: tuple[int, int, int]
-    template: list[tuple[str, object]] = field(default_factory=list)
-    key_blocks: int = 1
-    shared_memory: int = 0
-
-
-def metal_geometry(kernel: str, s: Sizes, dtype: mx.Dtype) -> Geometry:
-    """The Metal bodies' geometry: blocks.METAL's shape for (kernel, head dim, dtype); one grid
-    axis, the threadgroup index split by the body (see each kernel's header)."""
-    g = blocks.metal(kernel, s.dk, dtype)
-    b, n, key_blocks = s.batch, s.chunks, 1
-    if kernel in ("states", "states_back"):  # (b, value head, value block)
-        groups = b * s.value_heads * (s.dv // g["BV"])
-    elif kernel == "grads":  # (b, key head, chunk, key block)
-        key_blocks = s.dk // g["KB"]
-        groups = b * s.key_heads * n * key_blocks
-    else:  # (b, key head, chunk)
-        groups = b * s.key_heads * n
-    return Geometry((groups * g.threads, 1, 1), (g.threads, 1, 1), list(g.template), key_blocks)
-
-
-GEOMETRY: dict[str, Callable[[str, Sizes, mx.Dtype], Geometry]] = {"metal": metal_geometry}
-
-
 def supports(q: mx.array, k: mx.array, v: mx.array, backend: str | None = None) -> bool:
-    """The shapes and dtypes these kernels take: DK = DV of the backend's table (Metal: 64, 128;
-    CUDA: 64, 128), value heads a multiple of key heads, q, k, v of one floating dtype."""
-    dims = {"metal": blocks.METAL_DIMS, "cuda": blocks.CUDA_DIMS}.get(_backend(backend), ())
-    return (
-        q.shape == k.shape
-        and q.shape[-1] == v.shape[-1]
-        and q.shape[-1] in dims
-        and v.shape[2] % q.shape[2] == 0
-        and q.dtype in FLOATS
-        and k.dtype == q.dtype
-        and v.dtype == q.dtype
-    )
+    """The shapes and dtypes these kernels take (pipeline.takes): DK = DV of the backend's table
+    (Metal: 64, 128; CUDA: 64, 128), value heads a multiple of key heads, q, k, v of one floating
+    dtype."""
+    dtypes = (q.dtype, k.dtype, v.dtype)
+    return pipeline.takes(q.shape, k.shape, v.shape, dtypes, _backend(backend))
 
 
 def _backend(backend: str | None) -> str:
@@ -161,90 +85,59 @@ def _launch(
     s: Sizes,
     dtype: mx.Dtype,
     inputs: list[mx.array],
-    shapes: list[tuple[int, ...]],
     backend: str | None,
-    extra: tuple[tuple[str, object], ...] = (),
+    keep: bool = True,
     key_blocks: int | None = None,
 ) -> Launch:
     """`key_blocks`: params' KB where it is an input's (dcum's), not this launch's geometry's."""
-    backend = _backend(backend)
-    if backend not in GEOMETRY:
-        raise RuntimeError(f"delta/{kernel}: no geometry for backend {backend!r}")
-    geo = GEOMETRY[backend](kernel, s, dtype)
-    if kernel == "grads":  # dcum: one partial per key block
-        shapes = [*shapes[:3], (s.batch, s.value_heads, geo.key_blocks, s.padded)]
-    kb = geo.key_blocks if key_blocks is None else key_blocks
-    params = mx.array([s.batch, s.length, s.key_heads, s.value_heads, s.chunks, kb], mx.int32)
-    template = [("T", dtype), ("DK", s.dk), ("DV", s.dv), *geo.template, *extra]
+    c = pipeline.call(kernel, s, dtype, _backend(backend), keep, key_blocks)
     return Launch(
-        SPECS[kernel],
-        [*inputs, params],
-        shapes,
-        [mx.float32] * len(shapes),
-        geo.grid,
-        geo.threadgroup,
-        template,
-        geo.shared_memory,
+        c.spec,
+        [*inputs, mx.array(c.params, mx.int32)],
+        c.output_shapes,
+        [mx.float32] * len(c.output_shapes),
+        c.grid,
+        c.threadgroup,
+        c.template,
+        c.shared_memory,
     )
 
 
 def prepare_launch(s: Sizes, k, v, log_g, beta, keep: bool, backend: str | None = None) -> Launch:
     """-> cum, w, u, tri (tri only with `keep`, else a placeholder of one element)."""
-    b, hv, np_, n = s.batch, s.value_heads, s.padded, s.chunks
-    shapes = [
-        (b, hv, np_),
-        (b, hv, np_, s.dk),
-        (b, hv, np_, s.dv),
-        (b, hv, n, CHUNK, CHUNK) if keep else (1,),
-    ]
-    return _launch("prepare", s, k.dtype, [k, v, log_g, beta], shapes, backend, (("KEEP", keep),))
+    return _launch("prepare", s, k.dtype, [k, v, log_g, beta], backend, keep)
 
 
 def states_launch(s: Sizes, k, w, u, cum, state, backend: str | None = None) -> Launch:
     """-> h, v_new, final_state."""
-    b, hv = s.batch, s.value_heads
-    shapes = [(b, s.chunks, hv, s.dv, s.dk), (b, hv, s.padded, s.dv), (b, hv, s.dv, s.dk)]
-    return _launch("states", s, k.dtype, [k, w, u, cum, state], shapes, backend)
+    return _launch("states", s, k.dtype, [k, w, u, cum, state], backend)
 
 
 def output_launch(s: Sizes, q, k, cum, h, v_new, backend: str | None = None) -> Launch:
     """-> y (B, L, HV, DV) float32."""
-    shapes = [(s.batch, s.length, s.value_heads, s.dv)]
-    return _launch("output", s, q.dtype, [q, k, cum, h, v_new], shapes, backend)
+    return _launch("output", s, q.dtype, [q, k, cum, h, v_new], backend)
 
 
 def states_back_launch(
     s: Sizes, q, k, w, cum, d_out, d_final, backend: str | None = None
 ) -> Launch:
     """-> dh, dv_new, d_state (the initial state's gradient)."""
-    b, hv = s.batch, s.value_heads
-    shapes = [(b, s.chunks, hv, s.dv, s.dk), (b, hv, s.padded, s.dv), (b, hv, s.dv, s.dk)]
-    return _launch("states_back", s, q.dtype, [q, k, w, cum, d_out, d_final], shapes, backend)
+    return _launch("states_back", s, q.dtype, [q, k, w, cum, d_out, d_final], backend)
 
 
 def grads_launch(
     s: Sizes, q, k, cum, h, v_new, dh, dv_new, d_out, backend: str | None = None
 ) -> Launch:
     """-> dq (complete), dk (the output's and the state update's parts), dw, dcum (partials)."""
-    b, hv = s.batch, s.value_heads
-    shapes = [q.shape, q.shape, (b, hv, s.padded, s.dk), ()]  # dcum's: by the geometry
-    return _launch("grads", s, q.dtype, [q, k, cum, h, v_new, dh, dv_new, d_out], shapes, backend)
+    return _launch("grads", s, q.dtype, [q, k, cum, h, v_new, dh, dv_new, d_out], backend)
 
 
 def prepare_back_launch(
     s: Sizes, k, v, beta, cum, tri, dw, dv_new, dk, dcum, backend: str | None = None
 ) -> Launch:
     """-> dk (complete), dv, dlog_g, dbeta."""
-    shapes = [k.shape, v.shape, beta.shape, beta.shape]
-    return _launch(
-        "prepare_back",
-        s,
-        k.dtype,
-        [k, v, beta, cum, tri, dw, dv_new, dk, dcum],
-        shapes,
-        backend,
-        key_blocks=dcum.shape[2],
-    )
+    inputs = [k, v, beta, cum, tri, dw, dv_new, dk, dcum]
+    return _launch("prepare_back", s, k.dtype, inputs, backend, key_blocks=dcum.shape[2])
 
 
 def _checked(q, k, v, log_g, beta, state) -> tuple[Sizes, list[mx.array]]:
@@ -300,37 +193,3 @@ def op(run: Runner = launch, backend: str | None = None):
         return backward(*primals, *cotangents, run=run, backend=backend)
 
     return gated_delta
-
-
-def cuda_geometry(kernel: str, s: Sizes, dtype: mx.Dtype) -> Geometry:
-    """The CUDA bodies' geometry: blocks.CUDA's shape for (kernel, head dim, dtype), one grid
-    axis (MLX's grid counts threads), the block index split by the body as the Metal one's but
-    for prepare and output, which take a block per value head (and output per BV value columns):
-      prepare                  (b, value head, chunk)
-      states, states_back      (b, value head, value block)
-      output                   (b, value head, chunk, value block)
-      grads                    (b, key head, chunk, key block)
-      prepare_back             (b, key head, chunk)
-    Dynamic shared memory from blocks.cuda_shared_bytes, passed to the body as SMEM too."""
-    g = blocks.cuda(kernel, s.dk, dtype)
-    b, n, key_blocks = s.batch, s.chunks, 1
-    scan = kernel in ("states", "states_back")
-    if g.warps != (g["BV"] // 16 * g["DKS"] if scan else 4):  # the bodies' own warp counts
-        raise ValueError(f"delta/{kernel}: {g.warps} warps do not fit its blocks {g.template}")
-    if scan:
-        groups = b * s.value_heads * (s.dv // g["BV"])
-    elif kernel == "output":
-        groups = b * s.value_heads * n * (s.dv // g["BV"])
-    elif kernel == "grads":
-        key_blocks = s.dk // g["KB"]
-        groups = b * s.key_heads * n * key_blocks
-    elif kernel == "prepare":
-        groups = b * s.value_heads * n
-    else:
-        groups = b * s.key_heads * n
-    smem = blocks.cuda_shared_bytes(kernel, s.dk, s.dv, dtype, g)
-    template = [*g.template, ("SMEM", smem)]
-    return Geometry((groups * g.threads, 1, 1), (g.threads, 1, 1), template, key_blocks, smem)
-
-
-GEOMETRY["cuda"] = cuda_geometry

@@ -8,6 +8,8 @@ run's data, windows and report.
   recurrent.py   which gated delta rule a hybrid's layers run (mlxwalk's, flash-linear-attention's)
   delta.py       the gated delta rule, chunked (the WY form of mlxwalk/ops/delta/chunk.py) with a
                  recomputing backward
+  delta_kernels.py  the same rule on the chunked CUDA kernels (metal_kernels/delta), compiled with
+                 NVRTC through torch, self-checked against delta.py, routed on CUDA
   model.py       loading, the PEFT adapter, the footprint, the bundled tiny models for transformers
   exactness.py   `mlxwalk test-walk-exact --backend torch`
   train.py       `mlxwalk train --backend torch`

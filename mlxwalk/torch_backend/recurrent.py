@@ -5,7 +5,9 @@ transformers' gated delta-net layers call their modeling module's `torch_chunk_g
 reference that keeps every chunk's intermediates for the backward), and for a one-position chunk
 with a state `torch_recurrent_gated_delta_rule`. `route` points those names (for every model of
 that family in the process: they are the modeling module's) at one of:
-  mlxwalk       mlxwalk's chunked torch op (delta.py): a recomputing backward, float32 state
+  mlxwalk       mlxwalk's chunked torch op (delta.py): a recomputing backward, float32 state;
+                on CUDA the chunked CUDA kernels where they take the shapes and pass their
+                self-check (delta_kernels.py; MLXWALK_KERNELS=off keeps the ops)
   fla           flash-linear-attention's Triton kernels, when installed and its self-check
                 (forward and backward against mlxwalk's op on a small case, on this device)
                 passes; otherwise the route falls back to mlxwalk's op and says why
@@ -20,7 +22,7 @@ import sys
 
 import torch
 
-from . import delta
+from . import delta_kernels
 
 ROUTES = ("mlxwalk", "fla", "transformers")
 _NAME = "torch_chunk_gated_delta_rule"
@@ -57,7 +59,7 @@ def mlxwalk_rule(
         state = q.new_zeros(b, hv, dv, dk)
     else:
         state = initial_state.float().transpose(-1, -2)  # (B, Hv, Dv, Dk), mlxwalk's layout
-    y, s = delta.gated_delta(q, k, value, g.float(), beta.float(), state)
+    y, s = delta_kernels.gated_delta(q, k, value, g.float(), beta.float(), state)
     return y.to(value.dtype), (s.transpose(-1, -2) if output_final_state else None)
 
 
