@@ -8,7 +8,7 @@ from dataclasses import replace
 from ..errors import ConfigError, OutOfMemory
 from ..plan import mib, plan_window
 from ..training import adapters
-from ..walk import ExactWalk, WalkConfig, Window, arch, budget, machine
+from ..walk import ExactWalk, WalkConfig, Window, arch, budget, machine, macs
 from ..walk.exact import probe
 from ..walk.store import check_cache_type
 from . import torch_module
@@ -25,13 +25,7 @@ def add_arguments(p) -> None:
 def report(model, name: str, window: int, config: WalkConfig, echo=print) -> bool:
     """Print the plan, the estimate and the verdict; True when the walk fits its budgets (and,
     without one, this machine). Nothing here holds a value per position of the window."""
-    layout = arch.inspect(model)
-    horizon = config.horizon or "the whole window"
-    echo(
-        f"model {name} ({layout.model_type}: {len(layout.attention)} attention layers, "
-        f"{len(layout.recurrent)} recurrent), window {window}, chunk {config.chunk}, "
-        f"horizon {horizon}, cache {config.cache_type}"
-    )
+    layout = heading(model, name, window, config, echo)
     config, default = with_default_budget(config, echo)
     labelled = Window.labelled(window)
     try:  # with a memory budget: admission, and a longer checkpoint stride if that fits it
@@ -77,6 +71,78 @@ def report(model, name: str, window: int, config: WalkConfig, echo=print) -> boo
     return True
 
 
+def heading(model, name: str, window: int, config: WalkConfig, echo) -> arch.Layout:
+    layout = arch.inspect(model)
+    horizon = config.horizon or "the whole window"
+    echo(
+        f"model {name} ({layout.model_type}: {len(layout.attention)} attention layers, "
+        f"{len(layout.recurrent)} recurrent), window {window}, chunk {config.chunk}, "
+        f"horizon {horizon}, cache {config.cache_type}"
+    )
+    return layout
+
+
+def report_macs(
+    model, name: str, window: int, config: WalkConfig, most: int | None = None, echo=print
+) -> bool:
+    """--macs: per Mac memory size (machine.MACS) at macOS's default GPU working set, how the
+    window trains and the longest window that trains exactly; True when one of them trains it
+    exactly."""
+    heading(model, name, window, config, echo)
+    verdicts = macs.survey(model, window, config, most=most, echo=echo)
+    for line in macs_table(verdicts, window, most):
+        echo(line)
+    return any(v.fits == macs.EXACT for v in verdicts)
+
+
+def macs_table(verdicts: list[macs.Verdict], window: int, most: int | None) -> list[str]:
+    """The table of `report_macs`, the smallest Mac that trains the window exactly, and where
+    the working sets come from."""
+
+    def said(v: macs.Verdict) -> str:
+        if v.fits == macs.EXACT:
+            return "trains exactly"
+        if v.fits == macs.NARROWED:
+            reach = "" if v.horizon is None else f" (down to {v.horizon:,} positions)"
+            return f"narrowed horizon{reach}"
+        return "does not fit"
+
+    def longest(v: macs.Verdict) -> str:
+        if v.largest == 0:
+            return "none (not one chunk)"
+        return f"{v.largest:,}" + (" (the model's maximum)" if v.largest == most else "")
+
+    head = ("Mac memory", "GPU working set", f"window {window:,}", "longest exact window")
+    rows = [
+        (f"{v.gb:g} GB", f"{v.budget / machine.GIB:.1f} GiB", said(v), longest(v)) for v in verdicts
+    ]
+    wide = [max(len(r[i]) for r in [head, *rows]) for i in range(4)]
+    out = [
+        "  ".join(
+            c.rjust(w) if i < 2 else c.ljust(w) for i, (c, w) in enumerate(zip(r, wide))
+        ).rstrip()
+        for r in [head, *rows]
+    ]
+    first = next((v for v in verdicts if v.fits == macs.EXACT), None)
+    if first is None:
+        out.append(f"verdict: no Mac here trains a window of {window:,} exactly")
+    else:
+        out.append(
+            f"verdict: the smallest Mac that trains a window of {window:,} exactly has "
+            f"{first.gb:g} GB ({first.budget / machine.GIB:.1f} GiB GPU working set)"
+        )
+    out.append(
+        "working set: macOS's default (about 2/3 of memory up to 36 GB, 3/4 above), an "
+        "estimate; `mlxwalk kernels` prints a Mac's own, `sudo sysctl iogpu.wired_limit_mb=N` "
+        "raises it (docs/MAC.md)"
+    )
+    out.append(
+        f"one chunk's graph: measured once here ({machine.backend()}) for every size; a Mac's "
+        "kernels make a graph of their own size"
+    )
+    return out
+
+
 def with_default_budget(config: WalkConfig, echo) -> tuple[WalkConfig, bool]:
     """On a GPU with no memory budget given, the one MLX reports it may use, said."""
     mib_, memory = machine.default_budget_mib(config.memory_budget_mib)
@@ -110,12 +176,13 @@ def check(args) -> None:
     """The plan's options (TrainConfig's defaults where not given), range-checked before the
     model loads, each refusal naming its flag."""
     from ..training.config import TrainConfig, at_least, layers, not_empty, positive
+    from ..training.options import PlanOptions
 
     not_empty("model", args.model)
-    defaults = TrainConfig()
-    for name in vars(args):
-        if getattr(args, name) is None and hasattr(defaults, name) and name != "window":
-            setattr(args, name, getattr(defaults, name))
+    for defaults in (TrainConfig(), PlanOptions()):
+        for name in vars(args):
+            if getattr(args, name) is None and hasattr(defaults, name) and name != "window":
+                setattr(args, name, getattr(defaults, name))
     if args.window is None:
         raise ConfigError("--window is required: the positions the walk will cover")
     for name in ("window", "chunk", "rank"):
@@ -124,6 +191,11 @@ def check(args) -> None:
     layers(args.num_layers)
     for name in ("memory_budget_mib", "host_budget_mib"):
         positive(name, getattr(args, name))
+    if args.macs and args.memory_budget_mib is not None:
+        raise ConfigError(
+            "--macs budgets each Mac by its default GPU working set; --memory-budget-mib gives "
+            "one budget: give one or the other"
+        )
     check_cache_type(args.cache_type)
     if args.backend not in ("mlx", "torch"):
         raise ConfigError(f"--backend {args.backend!r} is unknown; choose mlx or torch")
@@ -142,4 +214,6 @@ def run(args) -> int:
     check_cache_type(args.cache_type, arch.inspect(model).head_dims)
     adapters.apply(model, adapters.LoraConfig(rank=args.rank, num_layers=args.num_layers))
     config = WalkConfig.from_fields(args, recompute=bool(args.recompute)).check()
+    if args.macs:
+        return 0 if report_macs(model, args.model, args.window, config, limit) else 1
     return 0 if report(model, args.model, args.window, config) else 1

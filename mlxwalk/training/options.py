@@ -4,11 +4,22 @@ A flag given on the command line overrides the config file, which overrides the 
 from __future__ import annotations
 
 import argparse
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from ..errors import ConfigError
-from .config import TrainConfig
+from .config import TrainConfig, option
+
+
+@dataclass
+class PlanOptions:
+    """`mlxwalk plan`'s options of its own, beside the TrainConfig fields it takes."""
+
+    macs: bool = option(
+        False,
+        "for each Mac memory size (16 to 128 GB) at macOS's default GPU working set: whether "
+        "the window trains exactly, and the longest window that does",
+    )
 
 
 def flags(plan: bool = False) -> dict[str, tuple[str, str]]:
@@ -37,21 +48,28 @@ def add_flags(p: argparse.ArgumentParser, plan: bool = False) -> None:
         p.add_argument("-c", "--config", help="a YAML file of these options")
     defaults = TrainConfig()
     for name, (kind, text) in flags(plan).items():
-        flag = "--" + name.replace("_", "-")
-        text = with_default(text, getattr(defaults, name))
-        if kind == "bool":
-            p.add_argument(flag, action="store_true", default=None, help=text)
-        elif kind.startswith("list"):
-            p.add_argument(flag, nargs="+", default=None, help=text)
-        else:
-            base = {"int": int, "float": float}.get(kind.split("|")[0].strip(), str)
-            p.add_argument(flag, type=base, default=None, help=text)
+        add_flag(p, name, kind, with_default(text, getattr(defaults, name)))
+    if plan:
+        for f in fields(PlanOptions):
+            add_flag(p, f.name, str(f.type), with_default(f.metadata["help"], f.default))
     if not plan:
         p.add_argument(
             "--no-progress",
             action="store_true",
             help="no progress bar (default: a bar on a terminal, else a line per window)",
         )
+
+
+def add_flag(p: argparse.ArgumentParser, name: str, kind: str, text: str) -> None:
+    """`--name` of a field's type (as text) with its help; unset, it is None."""
+    flag = "--" + name.replace("_", "-")
+    if kind == "bool":
+        p.add_argument(flag, action="store_true", default=None, help=text)
+    elif kind.startswith("list"):
+        p.add_argument(flag, nargs="+", default=None, help=text)
+    else:
+        base = {"int": int, "float": float}.get(kind.split("|")[0].strip(), str)
+        p.add_argument(flag, type=base, default=None, help=text)
 
 
 def read_mapping(path: str, known: set[str]) -> dict:

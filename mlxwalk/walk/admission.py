@@ -2,11 +2,13 @@
 its plan (a longer checkpoint stride where the checkpoints would not fit), its kept inputs and
 its head's products (given up, in that order of gain, where they would not fit), one chunk's graph
 measured by the probe (probe.py), and the refusal (budget.py) where even one chunk of taps would
-not fit. `Admission` is the MLX exact walk's (walk/exact.py), on its model, layout and config."""
+not fit. `Admission` is the MLX exact walk's (walk/exact.py), on its model, layout and config;
+`Graphs` one chunk's graph measured once and handed to many admissions of one model."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 import numpy as np
@@ -33,9 +35,32 @@ PROBED = (
 )
 
 
+@dataclass
+class Graphs:
+    """One chunk's graph, measured once per setting of the head's products (the one setting an
+    admission changes between its probes) and reused by every admission handed it: for a caller
+    that admits one model at one chunk under many budgets or windows (`mlxwalk plan --macs`,
+    scripts/mac-table.py), where the probe's own cache measures again for each window that
+    reaches further. Measured over a prefix of `reach` positions (the longest any of those
+    admissions reads; a longer one is extrapolated from it, as every estimate is), or given."""
+
+    reach: int
+    measured: dict[str, Activations] = field(default_factory=dict)  # head products -> graph
+    echo: Callable[[str], None] | None = None  # hears each of the probe's walks
+
+    def of(self, walk: type, model, config: WalkConfig) -> Activations:
+        head = config.head_products
+        if head not in self.measured:
+            self.measured[head] = probe(walk, model, config, self.reach, self.echo)
+        return self.measured[head]
+
+
 class Admission:
     """The exact walk's plan, kept inputs (`keep`: "all", "stem" or "off") and head products,
-    settled against its budgets; `estimate` its memory (None without a memory budget)."""
+    settled against its budgets; `estimate` its memory (None without a memory budget). `graphs`:
+    one chunk's graph measured before (None: the probe measures it, or its cache has it)."""
+
+    graphs: Graphs | None = None
 
     def keep_mode(self) -> str:
         """Kept inputs serve recompute's layer-by-layer reverse pass: every trained layer's
@@ -75,14 +100,14 @@ class Admission:
             return None
         self.refuse_floor(device)
         reach = self.plan.chunks[-1].start
-        self.acts = probe(type(self), self.model, self.probed(), reach=reach)
+        self.acts = self.measured_graph(reach)
         est = self.measure(self.plan)
         auto_head = self.config.head_products == "auto" and self.head_products == "dequantized"
         if auto_head and est.total > device:
             # auto: the head's dequantized copy is the first thing given up (its gain is the
             # smallest: 1 s of the 8B-shaped window's 20, docs/BENCHMARKS.md)
             self.head_products = "quantized"
-            self.acts = probe(type(self), self.model, self.probed(), reach=reach)
+            self.acts = self.measured_graph(reach)
             est = self.measure(self.plan)
         last = self.plan.chunks[-1]
         one_chunk = min(self.plan.chunk, last.start - last.grad_from)  # the fewest taps there are
@@ -104,6 +129,13 @@ class Admission:
             least = replace(est, graph=least.graph)
         budget.admit(least, device, budget.what_fits(self.layout, self.config.cache_type))
         return est
+
+    def measured_graph(self, reach: int) -> Activations:
+        """One chunk's graph at this walk's settings: from `graphs` where given, else probed over
+        at most `reach` positions of prefix."""
+        if self.graphs is not None:
+            return self.graphs.of(type(self), self.model, self.probed())
+        return probe(type(self), self.model, self.probed(), reach=reach)
 
     def probed(self) -> WalkConfig:
         """The config a probe measures: the run's, with the head's products as this walk has

@@ -31,14 +31,24 @@ class ExactWalk(ChunkRunner, admission.Admission, ExactAlgorithm):
         window: the window's ids (int32, length n) and weights (float32, length n).
         config: the walk's settings (WalkConfig): chunk, horizon, cache type, budgets, ...
         layout: the model's arch.Layout, when the caller has it (else read here).
+        graphs: one chunk's graph as measured before on this model at these settings
+            (admission.Graphs; None: measured here under a memory budget, or the probe's cache).
 
     Raises:
         OutOfMemory when the memory budget cannot hold the walk, ConfigError for a setting the
         model cannot take, both before any array of the window exists.
     """
 
-    def __init__(self, model: nn.Module, window: Window, config: WalkConfig, layout=None):
+    def __init__(
+        self,
+        model: nn.Module,
+        window: Window,
+        config: WalkConfig,
+        layout=None,
+        graphs: admission.Graphs | None = None,
+    ):
         super().__init__(model, window, config, layout)
+        self.graphs = graphs
         self.plan = self.make_plan(self.config.host_budget)
         self.checkpoints: dict[int, State] = {}
         self.kept: dict[int, list[mx.array]] = {}  # per decoded chunk, its layers' inputs

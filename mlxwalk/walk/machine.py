@@ -4,6 +4,9 @@ given on a GPU, and what `mlxwalk plan` compares an estimate with.
 Metal: the GPU's recommended working set (`mx.device_info()`); past it macOS pages the unified
 memory and a step slows many times over. CUDA: the device's free memory. The CPU: the machine's
 physical memory, said but not enforced (the operating system pages past it).
+
+A Mac not at hand: `working_set(gb)`, macOS's default working set for each memory size in MACS
+(what `mlxwalk plan --macs` and scripts/mac-table.py budget by).
 """
 
 from __future__ import annotations
@@ -12,6 +15,9 @@ import os
 from dataclasses import dataclass
 
 import mlx.core as mx
+
+GIB = 1 << 30
+MACS = (16, 24, 32, 36, 48, 64, 96, 128)  # GB of unified memory Apple sells a Mac with
 
 
 @dataclass(frozen=True)
@@ -64,3 +70,10 @@ def default_budget_mib(given: float | None) -> tuple[float | None, Memory | None
     if mem.binding and mem.bytes:
         return mem.bytes / (1 << 20), mem
     return None, None
+
+
+def working_set(gb: int) -> int:
+    """macOS's default GPU working set in bytes for a Mac of `gb` GB (recommendedMaxWorkingSetSize,
+    MLX's `max_recommended_working_set_size`): about two thirds of memory up to 36 GB, three
+    quarters above. An estimate: the machine's own figure is what `mlxwalk kernels` prints."""
+    return int(gb * GIB * (2 / 3 if gb <= 36 else 3 / 4))
