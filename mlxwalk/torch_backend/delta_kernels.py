@@ -71,6 +71,7 @@ _compiled: dict[tuple, object] = {}
 _params: dict[tuple, torch.Tensor] = {}
 _passed: set[tuple] = set()  # (dk, dtype, device) cases whose self-check passed
 _failed: str | None = None  # why the kernels are off for the rest of the process
+_driver = None  # libcuda, once loaded
 
 
 class KernelFailure(RuntimeError):
@@ -106,6 +107,29 @@ def unit(call: pipeline.Call, input_dtypes: list) -> str:
     )
 
 
+def current_context(device: torch.device) -> None:
+    """Make the device's primary context (the one torch's runtime calls use) current on this
+    thread for the driver calls torch's NVRTC path makes (module load, launch): before any
+    kernel of the process has run, none may be, and cuModuleLoadData then fails with "invalid
+    device context" (seen on an H100 under torch 2.11, the first kernel's compile)."""
+    global _driver
+    import ctypes
+
+    from torch.cuda import _utils
+
+    _driver = _driver or _utils._get_gpu_runtime_library()
+    lib, ctx = _driver, ctypes.c_void_p()
+    _utils._check_cuda(lib.cuCtxGetCurrent(ctypes.byref(ctx)))
+    if ctx.value:
+        return
+    torch.cuda.init()
+    dev = ctypes.c_int()
+    index = torch.cuda.current_device() if device.index is None else device.index
+    _utils._check_cuda(lib.cuDeviceGet(ctypes.byref(dev), index))
+    _utils._check_cuda(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev))
+    _utils._check_cuda(lib.cuCtxSetCurrent(ctx))
+
+
 def compile_unit(source: str, name: str, device: torch.device, shared_memory: int):
     """NVRTC through torch: the launchable kernel `mlx::core::cu::<name>` of `source` for
     `device` (its architecture), its dynamic shared memory limit raised to `shared_memory`."""
@@ -113,6 +137,7 @@ def compile_unit(source: str, name: str, device: torch.device, shared_memory: in
     if compile_kernel is None:
         raise RuntimeError(f"torch {torch.__version__} has no torch.cuda._compile_kernel")
     with torch.cuda.device(device):
+        current_context(device)
         fn = compile_kernel(source, f"mlx::core::cu::{name}", cuda_include_dirs=include_dirs())
         fn.set_shared_memory_config(shared_memory)  # above 48 KiB: the attribute, once
     return fn
@@ -150,6 +175,7 @@ def cuda_run(call: pipeline.Call, inputs: list[torch.Tensor]) -> list[torch.Tens
     outs = [torch.empty(s, dtype=torch.float32, device=device) for s in call.output_shapes]
     blocks = tuple(-(-g // t) for g, t in zip(call.grid, call.threadgroup))
     with torch.cuda.device(device):
+        current_context(device)  # (the backward launches from autograd's own thread)
         fn(
             grid=blocks,
             block=call.threadgroup,
