@@ -183,7 +183,6 @@ def test_macs_with_a_memory_budget_is_one_line_and_exit_2():
     assert "--macs" in p.stderr and "--memory-budget-mib" in p.stderr
 
 
-@pytest.mark.torch
 def test_the_torch_plan_refuses_macs_by_name():
     p = run("--window", "512", "--macs", "--backend", "torch")
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and "Traceback" not in p.stderr

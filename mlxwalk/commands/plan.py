@@ -199,6 +199,8 @@ def check(args) -> None:
     check_cache_type(args.cache_type)
     if args.backend not in ("mlx", "torch"):
         raise ConfigError(f"--backend {args.backend!r} is unknown; choose mlx or torch")
+    if args.macs and args.backend == "torch":  # refused before torch is imported, or missing
+        raise ConfigError("--macs: the torch backend's plan does not survey Mac memory sizes")
 
 
 def run(args) -> int:

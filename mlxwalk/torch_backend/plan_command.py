@@ -28,8 +28,6 @@ def meta_model(folder):
 def run(args, echo=print) -> int:
     from .train import model_folder
 
-    if getattr(args, "macs", False):
-        raise ConfigError("--macs: the torch backend's plan does not survey Mac memory sizes")
     if args.cache_type not in DTYPES:
         raise ConfigError(
             f"--cache-type {args.cache_type}: the torch backend stores K/V as {', '.join(DTYPES)}"
