@@ -6,14 +6,15 @@ one window, random bf16 weights of a realistic shape, LoRA r8 on the last 16 lay
     scripts/bench-torch.py attention [--windows 8192 16384 65536]   Qwen2.5-0.5B shape
     scripts/bench-torch.py hybrid [--windows 4096 16384 65536]      Qwen3.5-like ~0.8B hybrid
         [--kinds peft exact exact-host exact-budget] [--memory-budget-gib 16] [--chunk 4096]
-        [--delta-rule mlxwalk] [--small]
+        [--delta-rule mlxwalk] [--conv auto] [--small]
     (also as scripts/bench-walk.py --backend torch ...)
 
 peft: transformers + PEFT, one graph, gradient checkpointing, transformers' SDPA and (hybrid)
 its torch delta rule; exact: the exact walk, chunk by chunk, K/V store in bf16, accumulators on
 the GPU; exact-host: the same with the K/V gradient accumulators in pinned host memory;
 exact-budget: under --memory-budget-gib, the store and accumulators placed by the walk's budget
-(the probe of one chunk's graph runs once, before the warm-up).
+(the probe of one chunk's graph runs once, before the warm-up). Every kind runs the --conv
+route's causal convolution (auto: causal-conv1d's kernel where it works, else torch).
 `--small` shrinks every shape to check the script on a CPU.
 """
 
@@ -26,16 +27,13 @@ import time
 
 import numpy as np
 import torch
-from lib.bench import SHAPES, SMALL
 
-from mlxwalk import use_openblas
 from mlxwalk.plan import PlanError
+from mlxwalk.shapes import SHAPES, SMALL
 from mlxwalk.torch_backend import attention, recurrent
 from mlxwalk.torch_backend import model as models
 from mlxwalk.torch_backend.walk import TorchWalkConfig, train_window, weighted_loss
-from mlxwalk.walk.config import Window
-
-use_openblas()  # MLX's CPU matrix products on OpenBLAS (mlxwalk/_blas.py)
+from mlxwalk.walk.window import Window
 
 GIB = 1 << 30
 SHAPE = {"attention": "qwen2-0.5b", "hybrid": "qwen3_5-0.8b"}
@@ -92,24 +90,31 @@ def peft_step(model, win: Window, optimizer) -> float:
     return float(loss.detach())
 
 
-def set_kind(model, kind: str, delta_rule: str) -> None:
+def set_kind(model, kind: str, delta_rule: str, conv: str = "auto") -> None:
     base = model.get_base_model()
     if kind == "peft":
         base.set_attn_implementation("sdpa")
-        recurrent.route(base, "transformers")
+        recurrent.route(base, "transformers", conv=conv)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
     else:
         base.set_attn_implementation(attention.NAME)
-        recurrent.route(base, delta_rule)
+        recurrent.route(base, delta_rule, conv=conv)
         model.gradient_checkpointing_disable()
         model.eval()  # no dropout either way; eval keeps transformers off its training-only paths
 
 
 def measure(
-    model, kind: str, n: int, chunk: int, delta_rule: str, repeats: int, budget_gib: float
+    model,
+    kind: str,
+    n: int,
+    chunk: int,
+    delta_rule: str,
+    repeats: int,
+    budget_gib: float,
+    conv: str = "auto",
 ) -> dict:
-    set_kind(model, kind, delta_rule)
+    set_kind(model, kind, delta_rule, conv)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-5)
     win = window(n, models.text_config(model).vocab_size)
@@ -243,6 +248,7 @@ def main() -> int:
     p.add_argument("--kinds", nargs="+", default=["peft", "exact"])
     p.add_argument("--chunk", type=int, default=4096)
     p.add_argument("--delta-rule", default="mlxwalk", choices=recurrent.ROUTES)
+    p.add_argument("--conv", default="auto", choices=recurrent.CONV_ROUTES)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--small", action="store_true")
     p.add_argument(
@@ -263,12 +269,13 @@ def main() -> int:
             attention_op(n, a.chunk)
         return 0
     model = build(a.which, a.small, device)
+    conv = recurrent.route_conv(model.get_base_model(), a.conv)  # the one taken, said once
     n_params = sum(p.numel() for p in model.parameters())
     where = torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "CPU"
     print(
         f"{SHAPE[a.which]}{' (small)' if a.small else ''}: {n_params / 1e9:.2f}B parameters, "
         f"bf16, torch {torch.__version__} on {where}; chunk {a.chunk}, delta rule "
-        f"{a.delta_rule}; median of {a.repeats} after a warm-up",
+        f"{a.delta_rule}, conv {conv}; median of {a.repeats} after a warm-up",
         flush=True,
     )
     print("| window | step | seconds | tokens/s | peak GPU GiB | pinned host GiB | loss | phases |")
@@ -278,7 +285,7 @@ def main() -> int:
         for kind, budget in [(k, b) for k in a.kinds for b in budgets[k]]:
             label = f"{kind} {budget:g} GiB" if kind == "exact-budget" else kind
             try:
-                r = measure(model, kind, n, a.chunk, a.delta_rule, a.repeats, budget)
+                r = measure(model, kind, n, a.chunk, a.delta_rule, a.repeats, budget, a.conv)
                 print(
                     f"| {n:,} | {label} | {r['seconds']:.2f} | {r['tps']:,.0f} | "
                     f"{r['peak']:.1f} | {r['host']:.2f} | {r['loss']:.4f} | {r['phases']} |",
