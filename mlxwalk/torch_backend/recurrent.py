@@ -121,16 +121,13 @@ def _version(text: str) -> tuple[int, ...]:
 
 
 def _older(version: str, than: str) -> bool:
+    """version < than: as PEP 440 versions where packaging reads them, else leading numbers."""
     try:
-        from packaging.version import InvalidVersion, Version
+        from packaging.version import Version
 
-        try:
-            return Version(version) < Version(than)
-        except InvalidVersion:
-            pass
-    except ImportError:
-        pass
-    return _version(version) < _version(than)
+        return Version(version) < Version(than)
+    except (ImportError, ValueError):  # no packaging, or a version it cannot read
+        return _version(version) < _version(than)
 
 
 def fla_refusal(capability: tuple[int, int], triton_version: str) -> str | None:
