@@ -1,20 +1,15 @@
 """The gated delta rule on the chunked CUDA kernels (metal_kernels/delta/*.cu), driven by torch.
 
 Design. MLX runs these kernels through `mx.fast.cuda_kernel`; here torch compiles the same text
-with NVRTC at run time (`torch.cuda._compile_kernel`: no nvcc on the user's machine) and launches
-it on torch's current stream. Everything but the launch is shared with the MLX side, without
+with NVRTC at run time and launches it on torch's current stream (nvrtc.py, shared with the
+attention kernels' driver). Everything but the launch is shared with the MLX side, without
 importing MLX: the kernels' specs, the sizes, each launch's grid, block, template, dynamic shared
 memory, params and output shapes (metal_kernels/delta/pipeline.py, from blocks.py's CUDA table),
-and the kernel text (metal_kernels/cuda_source.render_kernel, the function MLX's unit is rendered
-with: the same `mlx::core::cu` kernel, its headers mma.cuh and tiles.cuh). Only the prelude is
-this driver's own (`PRELUDE`: the half types and int32_t, which NVRTC has no standard header for)
-and torch adds its NVRTC flags (-D__CUDA_NO_HALF_OPERATORS__ and the like, which only take
-overloads away: a kernel that compiles under them computes the same). A compiled kernel is
-cached per (kernel, template, input dtypes, device); one above 48 KiB of dynamic shared memory
-has its limit raised once (`set_shared_memory_config`). `forward` and `backward` are
-chunked.py's, buffer for buffer (prepare, states, output; the backward recomputes prepare and
-states, then states_back, grads, prepare_back); `run` launches a call and can be replaced (the
-tests run the CUDA bodies on the CPU emulator through it).
+and the kernel text (nvrtc.unit: the same `mlx::core::cu` kernel, its headers mma.cuh and
+tiles.cuh). A compiled kernel is cached per (kernel, template, input dtypes, device).
+`forward` and `backward` are chunked.py's, buffer for buffer (prepare, states, output; the
+backward recomputes prepare and states, then states_back, grads, prepare_back); `run` launches a
+call and can be replaced (the tests run the CUDA bodies on the CPU emulator through it).
 
 Routing (`gated_delta`, what recurrent.py's mlxwalk route calls): on CUDA, for shapes and dtypes
 the kernels take (pipeline.takes: dk = dv in blocks.CUDA_DIMS, value heads a multiple of key heads,
@@ -29,28 +24,26 @@ On the CPU nothing changes: the ops run.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-from metal_kernels import cuda_source
 from metal_kernels.delta import pipeline
 from metal_kernels.sources import dtype_name
 
-from ..errors import ConfigError
-from . import delta
+from . import delta, nvrtc
+from .nvrtc import (  # noqa: F401 (the tests and scripts read them here)
+    MODES,
+    PRELUDE,
+    KernelFailure,
+    compile_unit,
+    current_context,
+    include_dirs,
+    mode,
+    relative_error,
+)
 
-MODES = ("auto", "off", "check", "on")
-PRELUDE = """#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-typedef int int32_t;
-typedef unsigned int uint32_t;
-namespace cooperative_groups {}  // the rendered kernel aliases it (`cg`); these bodies use none
-"""
 # Relative L2 of each output against the ops, per routed dtype: float32 computes as the ops do
 # (in another order); the half paths round y and the gradients to the dtype (the MLX side's).
 TOLERANCE = {"float32": 2e-5, "float16": 2e-2, "bfloat16": 4e-2}
@@ -71,82 +64,12 @@ _compiled: dict[tuple, object] = {}
 _params: dict[tuple, torch.Tensor] = {}
 _passed: set[tuple] = set()  # (dk, dtype, device) cases whose self-check passed
 _failed: str | None = None  # why the kernels are off for the rest of the process
-_driver = None  # libcuda, once loaded
-
-
-class KernelFailure(RuntimeError):
-    """A kernel that could not be built or run: `kernel` names it."""
-
-    def __init__(self, kernel: str, why: str):
-        super().__init__(f"delta/{kernel}: {why}")
-        self.kernel = kernel
-
-
-def mode() -> str:
-    value = os.environ.get("MLXWALK_KERNELS", "auto")
-    if value not in MODES:
-        raise ConfigError(f"MLXWALK_KERNELS={value!r} is unknown; choose one of {', '.join(MODES)}")
-    return value
-
-
-def include_dirs() -> list[str]:
-    """Where cuda_fp16.h and cuda_bf16.h are: the CUDA wheels' include folders (torch's cu13x
-    wheels bring nvidia/cu13/include), else CUDA_HOME's (torch adds that one itself)."""
-    spec = importlib.util.find_spec("nvidia")
-    roots = list(spec.submodule_search_locations or []) if spec else []
-    return sorted({str(p.parent) for r in roots for p in Path(r).glob("*/include/cuda_fp16.h")})
 
 
 def unit(call: pipeline.Call, input_dtypes: list) -> str:
     """The NVRTC translation unit of a call: PRELUDE, then cuda_source's rendering (the kernel's
     headers and its `mlx::core::cu` function, named as the spec), inputs then params (int32)."""
-    outputs = ["float32"] * len(call.output_shapes)
-    dtypes = [*input_dtypes, "int32"]
-    return PRELUDE + cuda_source.render_kernel(
-        call.spec, dtypes, outputs, call.template, call.spec.name
-    )
-
-
-def current_context(device: torch.device) -> None:
-    """Make the device's primary context (the one torch's runtime calls use) current on this
-    thread for the driver calls torch's NVRTC path makes (module load, launch): before any
-    kernel of the process has run, none may be, and cuModuleLoadData then fails with "invalid
-    device context" (seen on an H100 under torch 2.11, the first kernel's compile)."""
-    global _driver
-    import ctypes
-
-    from torch.cuda import _utils
-
-    _driver = _driver or _utils._get_gpu_runtime_library()
-    lib, ctx = _driver, ctypes.c_void_p()
-    _utils._check_cuda(lib.cuCtxGetCurrent(ctypes.byref(ctx)))
-    if ctx.value:
-        return
-    torch.cuda.init()
-    dev = ctypes.c_int()
-    index = torch.cuda.current_device() if device.index is None else device.index
-    _utils._check_cuda(lib.cuDeviceGet(ctypes.byref(dev), index))
-    _utils._check_cuda(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev))
-    _utils._check_cuda(lib.cuCtxSetCurrent(ctx))
-
-
-def compile_unit(source: str, name: str, device: torch.device, shared_memory: int):
-    """NVRTC through torch: the launchable kernel `mlx::core::cu::<name>` of `source` for
-    `device` (its architecture), its dynamic shared memory limit raised to `shared_memory`."""
-    compile_kernel = getattr(torch.cuda, "_compile_kernel", None)
-    if compile_kernel is None:
-        raise RuntimeError(f"torch {torch.__version__} has no torch.cuda._compile_kernel")
-    with torch.cuda.device(device):
-        current_context(device)
-        fn = compile_kernel(source, f"mlx::core::cu::{name}", cuda_include_dirs=include_dirs())
-        fn.set_shared_memory_config(shared_memory)  # above 48 KiB: the attribute, once
-    return fn
-
-
-def _first_error(e: Exception) -> str:
-    lines = [x.strip() for x in str(e).splitlines() if x.strip()]
-    errors = [x for x in lines if "error" in x.lower() and not x.startswith("Kernel compilation")]
-    return (errors or lines or [type(e).__name__])[0][:200]
+    return nvrtc.unit(call.spec, [*input_dtypes, "int32"], len(call.output_shapes), call.template)
 
 
 def kernel(call: pipeline.Call, input_dtypes: list, device: torch.device):
@@ -154,14 +77,15 @@ def kernel(call: pipeline.Call, input_dtypes: list, device: torch.device):
     names = tuple(dtype_name(d) for d in input_dtypes)
     template = tuple((k, dtype_name(v) if k == "T" else v) for k, v in call.template)
     key = (call.spec.name, template, names, device.index)
-    if key not in _compiled:
-        stem = call.spec.stem.removeprefix("delta/")
-        try:
-            fn = compile_unit(unit(call, list(names)), call.spec.name, device, call.shared_memory)
-        except Exception as e:
-            raise KernelFailure(stem, f"does not build ({_first_error(e)})") from e
-        _compiled[key] = fn
-    return _compiled[key]
+    return nvrtc.cached(
+        _compiled,
+        key,
+        call.spec,
+        lambda: unit(call, list(names)),
+        device,
+        call.shared_memory,
+        compile_unit,  # (this module's name: the tests replace it)
+    )
 
 
 def cuda_run(call: pipeline.Call, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -173,15 +97,8 @@ def cuda_run(call: pipeline.Call, inputs: list[torch.Tensor]) -> list[torch.Tens
     if key not in _params:
         _params[key] = torch.tensor(call.params, dtype=torch.int32, device=device)
     outs = [torch.empty(s, dtype=torch.float32, device=device) for s in call.output_shapes]
-    blocks = tuple(-(-g // t) for g, t in zip(call.grid, call.threadgroup))
-    with torch.cuda.device(device):
-        current_context(device)  # (the backward launches from autograd's own thread)
-        fn(
-            grid=blocks,
-            block=call.threadgroup,
-            args=[*inputs, _params[key], *outs],
-            shared_mem=call.shared_memory,
-        )
+    args = [*inputs, _params[key], *outs]
+    nvrtc.launch(fn, call.grid, call.threadgroup, args, call.shared_memory, device)
     return outs
 
 
@@ -278,11 +195,6 @@ def through(fn, x: list[torch.Tensor], cots: list[torch.Tensor]) -> dict[str, to
     return dict(zip(names, (y, s, *grads)))
 
 
-def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().float(), b.detach().float()
-    return ((a - b).norm() / (b.norm() + 1e-30)).item()
-
-
 def compare(dtype, dim: int, device, run: Runner = cuda_run, t: int = 150) -> dict[str, float]:
     """Each output's relative error, kernels against delta.gated_delta_chunked (float32 on the
     same inputs), on two chunks and a part, 2 key and 4 value heads; TF32 off."""
@@ -305,7 +217,7 @@ def self_check(dtype, dim: int, device, run: Runner = cuda_run) -> str | None:
     except KernelFailure as e:
         return str(e)
     except Exception as e:  # a launch failure, NVRTC missing: the ops still work
-        return f"delta/chunked: failed to run ({_first_error(e)})"
+        return f"delta/chunked: failed to run ({nvrtc.first_error(e)})"
     worst = max(errors, key=errors.get)
     limit = TOLERANCE[dtype_name(dtype)]
     if not errors[worst] <= limit:  # (NaN fails)
