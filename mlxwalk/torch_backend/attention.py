@@ -3,6 +3,13 @@ the diagonal at the bottom right (query i of a chunk at `start` sees keys up to 
 torch with no mask materialised: on CUDA with half-precision inputs FlashAttention's op
 (lower-right causal, grouped-query heads read in place); elsewhere SDPA's other backends.
 
+Routing on CUDA with half-precision inputs follows ROUTES, measured per (head dim, dtype) by
+scripts/h200-torch-attention.py: "sdpa-flash" (FlashAttention's op, the default for a case not
+in the table), "sdpa" (SDPA's dispatcher, K/V repeated per group) or "kernels" (the project's
+tensor-core kernels, attention_kernels.py, after their one-time self-check; SDPA's FlashAttention
+op where it fails). MLXWALK_KERNELS=on or check routes to the kernels wherever they apply,
+measured or not (on: a failed self-check raises); off never does.
+
 It is registered with transformers as the attention implementation "mlxwalk" and takes no mask
 from it (transformers then builds none): a window is one sequence, so causality is all the
 mask there is.
@@ -15,6 +22,10 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 NAME = "mlxwalk"
+ROUTE_NAMES = ("sdpa-flash", "sdpa", "kernels")
+# (head dim, dtype) -> route, for CUDA half-precision inputs. The kernels are routed nowhere until
+# scripts/h200-torch-attention.py has measured them against FlashAttention's op.
+ROUTES: dict[tuple[int, str], str] = {}
 
 
 def walk_attention(
@@ -31,19 +42,53 @@ def walk_attention(
     """query (B, H, q, D), key and value (B, Hkv, S, D) with S >= q; (B, q, H, D), None."""
     if sliding_window:
         raise ValueError("the torch walk does not take sliding-window attention layers")
-    if _flash_applies(query, key, dropout):
-        # FlashAttention's own op: is_causal is lower-right there, and it takes the kv heads
-        # as they are (no copy of the prefix per query head)
-        out = torch.ops.aten._scaled_dot_product_flash_attention(
-            query,
-            key,
-            value,
-            0.0,
-            is_causal=True,
-            return_debug_mask=False,
-            scale=scaling if scaling is not None else query.shape[-1] ** -0.5,
-        )[0]
-        return out.transpose(1, 2).contiguous(), None
+    how = route(query, key, value, dropout)
+    if how == "kernels":
+        from . import attention_kernels
+
+        return attention_kernels.attention(query, key, value, scaling), None
+    if how == "sdpa-flash":
+        return _flash(query, key, value, scaling), None
+    return _sdpa(query, key, value, scaling), None
+
+
+def route(query, key, value, dropout: float = 0.0) -> str:
+    """The route of a call: ROUTES' for its (head dim, dtype) where FlashAttention's op applies
+    (the kernels only where they pass their self-check), else "sdpa"."""
+    if not (_on_gpu(query) and _flash_applies(query, key, dropout)):
+        return "sdpa"
+    from . import attention_kernels
+
+    how = attention_kernels.mode()
+    dtype = str(query.dtype).rsplit(".", 1)[-1]
+    wanted = ROUTES.get((query.shape[-1], dtype), "sdpa-flash")
+    if how in ("on", "check") or (wanted == "kernels" and how == "auto"):
+        if attention_kernels.usable(query, key, value):
+            return "kernels"
+    return "sdpa" if wanted == "sdpa" else "sdpa-flash"
+
+
+def _on_gpu(query) -> bool:
+    return query.is_cuda
+
+
+def _flash(query, key, value, scaling):
+    """FlashAttention's own op: is_causal is lower-right there, and it takes the kv heads as
+    they are (no copy of the prefix per query head); (B, q, H, D)."""
+    out = torch.ops.aten._scaled_dot_product_flash_attention(
+        query,
+        key,
+        value,
+        0.0,
+        is_causal=True,
+        return_debug_mask=False,
+        scale=scaling if scaling is not None else query.shape[-1] ** -0.5,
+    )[0]
+    return out.transpose(1, 2).contiguous()
+
+
+def _sdpa(query, key, value, scaling):
+    """SDPA's dispatcher, lower-right causal, K/V repeated per group; (B, q, H, D)."""
     groups = query.shape[1] // key.shape[1]
     if groups > 1:  # FlashAttention's lower-right path takes equal head counts
         key = key.repeat_interleave(groups, dim=1)  # (B, H, S, D)
@@ -55,13 +100,12 @@ def walk_attention(
         out = F.scaled_dot_product_attention(
             query, key, value, attn_mask=causal_lower_right(q, s), scale=scaling
         )
-    return out.transpose(1, 2).contiguous(), None  # (B, q, H, D)
+    return out.transpose(1, 2).contiguous()  # (B, q, H, D)
 
 
 def _flash_applies(query, key, dropout: float) -> bool:
     return (
-        query.is_cuda
-        and query.dtype in (torch.float16, torch.bfloat16)
+        query.dtype in (torch.float16, torch.bfloat16)
         and not dropout
         and query.shape[-1] % 8 == 0
         and query.shape[-1] <= 256
