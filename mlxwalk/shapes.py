@@ -62,3 +62,5 @@ SHAPES: dict[str, dict] = {
         QWEN3_5, 5120, 64, 17408, 24, 4, linear_num_value_heads=48, tie_word_embeddings=False
     ),
 }
+# Every shape shrunk, to check a measurement script end to end on a CPU (its --small).
+SMALL = dict(hidden_size=128, num_hidden_layers=4, intermediate_size=256, vocab_size=512)

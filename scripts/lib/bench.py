@@ -14,7 +14,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 
-from mlxwalk.shapes import SHAPES  # the scripts read them as bench.SHAPES
+from mlxwalk.shapes import SHAPES, SMALL  # the scripts read them as bench.SHAPES, bench.SMALL
 from mlxwalk.walk import WalkConfig, Window, train_window, window_gradient
 
 MIB = 1 << 20
@@ -246,9 +246,8 @@ def random_bf16(p: mx.array) -> mx.array:
 
 
 # Realistic shapes (mlxwalk/shapes.py) with random weights, for the device measurements
-# (scripts/bench-device.py, scripts/profile-*); `small` shrinks every dimension to check a script
-# on a CPU.
-SMALL = dict(hidden_size=128, num_hidden_layers=4, intermediate_size=256, vocab_size=512)
+# (scripts/bench-device.py, scripts/profile-*); `small` shrinks every dimension (SMALL) to check
+# a script on a CPU.
 
 
 def shaped(name: str, small: bool = False, bits: int | None = None):
