@@ -186,3 +186,22 @@ def test_a_build_failure_falls_back_with_one_line(fresh, monkeypatch, capsys):
     monkeypatch.setattr(attention_kernels, "_failed", None)
     with pytest.raises(RuntimeError, match="MLXWALK_KERNELS=on, and attention/forward_tc"):
         run_walk(dim=64)
+
+
+def test_the_bf16_units_at_256_build_with_nvrtc():
+    """Qwen3.5's head dim through torch's NVRTC (for sm_90, to a cubin; no GPU needed)."""
+    from torch.cuda._utils import _nvrtc_compile
+
+    seen = []
+
+    def record(call, inputs):
+        seen.append(attention_kernels.unit(call, [x.dtype for x in inputs]))
+        return [torch.zeros(s) for s in call.output_shapes]
+
+    q, k, v, cot = attention_kernels.case(torch.bfloat16, 256, "cpu", n=16, prefix=16)
+    attention_kernels.attention(*(a.requires_grad_() for a in (q, k, v)), run=record).backward(cot)
+    names = ["forward_tc", "dq_tc", "dkdv_tc"]
+    for source, name in zip(seen, names):
+        kernel = f"mlx::core::cu::mlxwalk_attention_{name}"
+        binary, mangled = _nvrtc_compile(source, kernel, "90", nvrtc.include_dirs())
+        assert binary and mangled.startswith("_ZN3mlx4core2cu"), name
