@@ -15,11 +15,11 @@
   profile:  one window of each walk by layer kind (torch_backend/profile.py), GPU kernel time
 
 The bundled models are generated with MLX: write them on a machine that has it and carry them,
-    MLXWALK_HOME=$PWD/.device/home python -c "from mlxwalk import tiny; from
+    MLXWALK_HOME=$PWD/.tinyhome python -c "from mlxwalk import tiny; from
         mlxwalk.torch_backend import model as m; [m.tiny_folder(n) for n in
         ('tiny-qwen2', 'tiny-qwen3_5', 'tiny-qwen3_next')]"
-then, on the GPU (carry .device/home):
-    MLXWALK_HOME=$PWD/.device/home PYTHONPATH=$PWD python3 scripts/h200-torch-hybrid.py
+then, on the GPU (carry .tinyhome):
+    MLXWALK_HOME=$PWD/.tinyhome PYTHONPATH=$PWD python3 scripts/h200-torch-hybrid.py
 Prints the tables last; the log goes to $OUT when set. `--small` checks the script on a CPU.
 """
 
