@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from . import nvrtc
+
 NAME = "mlxwalk"
 ROUTE_NAMES = ("sdpa-flash", "sdpa", "kernels")
 # (head dim, dtype) -> route, for CUDA half-precision inputs. The kernels are routed nowhere until
@@ -57,12 +59,12 @@ def route(query, key, value, dropout: float = 0.0) -> str:
     (the kernels only where they pass their self-check), else "sdpa"."""
     if not (_on_gpu(query) and _flash_applies(query, key, dropout)):
         return "sdpa"
-    from . import attention_kernels
-
-    how = attention_kernels.mode()
+    how = nvrtc.mode()
     dtype = str(query.dtype).rsplit(".", 1)[-1]
     wanted = ROUTES.get((query.shape[-1], dtype), "sdpa-flash")
     if how in ("on", "check") or (wanted == "kernels" and how == "auto"):
+        from . import attention_kernels  # (only here: its launch tables import MLX)
+
         if attention_kernels.usable(query, key, value):
             return "kernels"
     return "sdpa" if wanted == "sdpa" else "sdpa-flash"
