@@ -39,6 +39,7 @@ from mlxwalk.torch_backend import delta_kernels, exactness, profile
 from mlxwalk.torch_backend import model as models
 
 HERE = Path(__file__).resolve().parent
+START = time.perf_counter()
 MODELS = ("tiny-qwen3_5", "tiny-qwen3_next", "tiny-qwen2")
 LINES: list[str] = []
 TABLES: list[str] = []
@@ -86,7 +87,8 @@ def check_exact(device: str) -> bool:
 def walk(a, bt, device: str) -> None:
     model = bt.build("hybrid", a.small, device)
     rows = [("exact", "auto", n) for n in a.windows] + [("exact", "off", n) for n in a.windows]
-    rows += [("peft", "off", n) for n in a.windows[:1]]
+    rows += [("peft", "off", n) for n in a.windows[:1] if "peft" in a.kinds]
+    rows = [r for r in rows if (r[1] == "off") <= ("ops" in a.kinds) or r[0] == "peft"]
     table = ["| window | step | delta rule | warm-up s | s | tokens/s | peak GiB | loss |"]
     table.append("|---:|---|---|---:|---:|---:|---:|---:|")
     for kind, kernels, n in rows:
@@ -111,21 +113,30 @@ def walk(a, bt, device: str) -> None:
         if device == "cuda":
             torch.cuda.empty_cache()
     TABLES.append("\n".join(table))
-    for kernels in ("auto", "off"):
-        os.environ["MLXWALK_KERNELS"] = kernels
-        n = a.windows[0]
-        bt.set_kind(model, "exact", "mlxwalk")
-        params = [p for p in model.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=1e-5)
-        win = bt.window(n, models.text_config(model).vocab_size)
-        config = bt.TorchWalkConfig(chunk=a.chunk, store_dtype="bfloat16")
-        p = profile.profile(model, functools.partial(bt.train_window, model, opt, win, config))
-        rule = "kernels" if kernels == "auto" else "torch ops"
-        TABLES.append(f"profile: exact walk, {n:,} tokens, delta rule on the {rule}\n{p.table()}")
-        say(TABLES[-1])
-        top = sorted(p.kernels.items(), key=lambda kv: -kv[1])[:12]
-        say("top kernels (ms):", "; ".join(f"{k[:70]} {v:.1f}" for k, v in top))
-        model.zero_grad(set_to_none=True)
+    return model
+
+
+def profile_walk(a, bt, model, kernels: str) -> None:
+    """One window of the exact walk under the profiler, by layer kind."""
+    if time.perf_counter() - START > a.budget:
+        say(f"profile on {kernels}: skipped (past --budget)")
+        return
+    os.environ["MLXWALK_KERNELS"] = kernels
+    n = a.profile_window
+    bt.set_kind(model, "exact", "mlxwalk")
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-5)
+    win = bt.window(n, models.text_config(model).vocab_size)
+    config = bt.TorchWalkConfig(chunk=a.chunk, store_dtype="bfloat16")
+    start = time.perf_counter()
+    p = profile.profile(model, functools.partial(bt.train_window, model, opt, win, config))
+    rule = "kernels" if kernels == "auto" else "torch ops"
+    took = time.perf_counter() - start
+    TABLES.append(f"profile: exact walk, {n:,} tokens, delta rule on the {rule}\n{p.table()}")
+    say(TABLES[-1], f"\n(profiled in {took:.0f} s)")
+    top = sorted(p.kernels.items(), key=lambda kv: -kv[1])[:12]
+    say("top kernels (ms):", "; ".join(f"{k[:70]} {v:.1f}" for k, v in top))
+    model.zero_grad(set_to_none=True)
 
 
 def main() -> int:
@@ -134,19 +145,26 @@ def main() -> int:
     p.add_argument("--chunk", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--skip", nargs="*", default=[], choices=("kernels", "exact", "walk"))
+    p.add_argument("--kinds", nargs="*", default=["ops", "peft"], help="beside the kernels")
+    p.add_argument("--profile-window", type=int, default=8192)
+    p.add_argument("--budget", type=float, default=420, help="seconds before a stage is skipped")
     p.add_argument("--small", action="store_true")
     a = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     where = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     say(f"torch {torch.__version__} on {where}")
     if a.small:
-        a.windows, a.chunk = [256], 64
+        a.windows, a.chunk, a.profile_window = [256], 64, 256
     if device == "cuda" and "kernels" not in a.skip:
         check_kernels(device)
+    bt = bench_torch()
+    model = walk(a, bt, device) if "walk" not in a.skip else None
+    if model is not None:
+        profile_walk(a, bt, model, "auto")
     if "exact" not in a.skip:
         check_exact(device)
-    if "walk" not in a.skip:
-        walk(a, bench_torch(), device)
+    if model is not None and "ops" in a.kinds:
+        profile_walk(a, bt, model, "off")
     print("\n\n".join(TABLES))
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "h200-torch-hybrid.log").write_text("\n".join(LINES) + "\n")

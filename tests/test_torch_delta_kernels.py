@@ -277,4 +277,24 @@ def test_the_whole_route_on_the_emulator_matches_the_ops(fresh, name, dim):
     dtype = DTYPES[name][0]
     errors = delta_kernels.compare(dtype, dim, "cpu", run=emulated, t=150)
     assert max(errors.values()) <= delta_kernels.TOLERANCE[name], errors
-    assert delta_kernels.self_check(dtype, dim, "cpu", run=emulated) is None
+    with torch.no_grad():  # as the walk's decode first asks
+        assert delta_kernels.self_check(dtype, dim, "cpu", run=emulated) is None
+
+
+@pytest.mark.parametrize("module", ["delta_kernels", "attention_kernels"])
+def test_the_self_check_takes_gradients_under_no_grad(module, monkeypatch):
+    """The walk's decode runs under no_grad and meets the first call there: the self-check's
+    backward must still run (on an H100 it failed so, and the ops served the whole walk)."""
+    from mlxwalk.torch_backend import attention_kernels
+
+    mod = {"delta_kernels": delta_kernels, "attention_kernels": attention_kernels}[module]
+    seen = []
+
+    def compare(*args, **kwargs):
+        seen.append(torch.is_grad_enabled())
+        return {"y" if module == "delta_kernels" else "out": 0.0}
+
+    monkeypatch.setattr(mod, "compare", compare)
+    with torch.no_grad():
+        assert mod.self_check(torch.bfloat16, 64, "cpu") is None
+    assert seen == [True]

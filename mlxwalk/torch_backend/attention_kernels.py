@@ -186,7 +186,8 @@ def compare(dtype, dim: int, device, run: Runner = cuda_run, **sizes) -> dict[st
 def self_check(dtype, dim: int, device, run: Runner = cuda_run) -> str | None:
     """Why the kernels cannot serve (dim, dtype) on `device`, naming the kernel (None: they can)."""
     try:
-        errors = compare(dtype, dim, device, run)
+        with torch.enable_grad():  # (the walk's decode asks first, under no_grad)
+            errors = compare(dtype, dim, device, run)
     except KernelFailure as e:
         return str(e)
     except Exception as e:  # a launch failure, NVRTC missing: SDPA still works
