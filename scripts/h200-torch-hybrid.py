@@ -152,7 +152,7 @@ def main() -> int:
     a = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     where = torch.cuda.get_device_name() if device == "cuda" else "CPU"
-    say(f"torch {torch.__version__} on {where}")
+    say(f"torch {torch.__version__}, transformers {models.transformers_version()} on {where}")
     if a.small:
         a.windows, a.chunk, a.profile_window = [256], 64, 256
     if device == "cuda" and "kernels" not in a.skip:

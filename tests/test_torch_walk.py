@@ -264,3 +264,21 @@ def test_models_load_with_no_kernels_from_the_hub(monkeypatch, tmp_path):
     with pytest.raises(RuntimeError, match="loaded no further"):
         models.load(tmp_path)
     assert seen["use_kernels"] is False and seen["local_files_only"] is True
+
+
+def test_an_unsupported_transformers_is_refused_before_a_wrong_gradient(monkeypatch):
+    """transformers 5.17 swallows the walk's `cache=`: every chunk then attends no prefix and
+    the exact walk equals the plain one (seen on a GPU machine); the walk refuses it instead."""
+    from mlxwalk.errors import ConfigError
+
+    model = models.add_lora(models.load(models.tiny_folder("tiny-qwen2")), rank=4, seed=1)
+    ids, targets, weights = window(64)
+    win = Window.of(ids, targets, weights)
+    monkeypatch.setattr(models, "transformers_version", lambda: "5.17.0")
+    with pytest.raises(ConfigError, match=r"transformers 5\.17\.0 .*>=5\.24,<5\.26"):
+        ExactWalk(model, win, TorchWalkConfig(chunk=32))
+    for version in ("5.24.0", "5.25.1", "5.25.0.dev0"):
+        models.check_transformers(version)
+    for version in ("5.26.0", "4.57.1", "6.0.0"):
+        with pytest.raises(ConfigError):
+            models.check_transformers(version)

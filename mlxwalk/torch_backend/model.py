@@ -15,7 +15,7 @@ import torch
 from safetensors.numpy import load_file, save_file
 
 from .. import tiny
-from ..errors import ModelError
+from ..errors import ConfigError, ModelError
 from ..plan import Footprint
 from . import recurrent
 
@@ -60,6 +60,33 @@ def footprint(model) -> Footprint:
 
 def _bytes(model) -> int:
     return next(model.parameters()).element_size()
+
+
+# pyproject's torch extra (transformers>=5.24,<5.26): the versions whose layers the walk drives
+SUPPORTED = ((5, 24), (5, 26))
+
+
+def transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def check_transformers(version: str | None = None) -> None:
+    """Refuse a transformers outside SUPPORTED in one line. Before 5.24 its decoders take the
+    cache as `past_key_values` and swallow the walk's `cache=` in **kwargs: the chunks would
+    attend no prefix and carry no state, and the gradient would be wrong without a word."""
+    version = version or transformers_version()
+    parts = []
+    for part in version.split(".")[:2]:
+        digits = "".join(c for c in part if c.isdigit()) or "0"
+        parts.append(int(digits))
+    low, high = SUPPORTED
+    if not low <= tuple(parts) < high:
+        raise ConfigError(
+            f"transformers {version} is not one the torch walk supports "
+            f"(>={low[0]}.{low[1]},<{high[0]}.{high[1]}): pip install -e '.[torch]'"
+        )
 
 
 def load(

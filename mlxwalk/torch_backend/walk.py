@@ -24,7 +24,7 @@ from ..walk.algorithm import ExactAlgorithm, PlainAlgorithm, loss_blocks
 from ..walk.window import Window
 from . import budget as budgets
 from .cache import Store, WalkCache
-from .model import footprint
+from .model import check_transformers, footprint
 
 log = logging.getLogger("mlxwalk")
 
@@ -89,6 +89,7 @@ class Walk:
         return _EvalMode(self.model)
 
     def __init__(self, model, window: Window, config: TorchWalkConfig):
+        check_transformers()
         self.model, self.window, self.config = model, window, config
         self.device = next(model.parameters()).device
         self.ids = torch.as_tensor(window.inputs, dtype=torch.long, device=self.device)
