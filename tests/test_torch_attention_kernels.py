@@ -36,17 +36,7 @@ def host(x: torch.Tensor) -> mx.array:
 
 
 def as_launch(call, inputs: list[torch.Tensor]) -> build.Launch:
-    extra = [mx.array(call.params, mx.int32), mx.array([call.scale], mx.float32)]
-    return build.Launch(
-        call.spec,
-        [*map(host, inputs), *extra],
-        call.output_shapes,
-        [mx.float32] * len(call.output_shapes),
-        call.grid,
-        call.threadgroup,
-        call.template,
-        call.shared_memory,
-    )
+    return tensor_cores.launch_of(call, [*map(host, inputs)])
 
 
 def emulated(call, inputs: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -37,7 +37,8 @@ def _arrays(q, k, v, pk, pv) -> list[mx.array]:
     return [q, k, v, k, v] if pk is None else [q, k, v, pk, pv]
 
 
-def _launch(call: Call, inputs: list[mx.array]) -> Launch:
+def launch_of(call: Call, inputs: list[mx.array]) -> Launch:
+    """A plain call (tc_calls) as MLX's launch on `inputs`, its params and scale appended."""
     extra = [mx.array(call.params, mx.int32), mx.array([call.scale], mx.float32)]
     return Launch(
         call.spec,
@@ -55,7 +56,7 @@ def forward_launch(q, k, v, pk, pv, start: int, scale: float, blocks=None) -> La
     """The forward: o (B, HQ, L, D) and lse (B, HQ, L), float32."""
     arrays = _arrays(q, k, v, pk, pv)
     call = forward_call(_sizes(q, k, pk, start, start), q.dtype, arrays[3].dtype, scale, blocks)
-    return _launch(call, arrays)
+    return launch_of(call, arrays)
 
 
 def backward_launches(
@@ -66,7 +67,7 @@ def backward_launches(
     arrays = _arrays(q, k, v, pk, pv) + [d_out, lse, delta]
     s = _sizes(q, k, pk, start, grad_from)
     dq, dkdv = backward_calls(s, q.dtype, arrays[3].dtype, scale, blocks)
-    return _launch(dq, arrays), _launch(dkdv, arrays)
+    return launch_of(dq, arrays), launch_of(dkdv, arrays)
 
 
-__all__ = ["CudaBlocks", "backward_launches", "forward_launch", "shape"]
+__all__ = ["CudaBlocks", "backward_launches", "forward_launch", "launch_of", "shape"]
