@@ -79,8 +79,8 @@ def check_exact(device: str) -> bool:
     chosen = [(n, str(models.tiny_folder(n))) for n in MODELS]
     ok = exactness.run(chosen, echo=say, device=device)
     say(f"exactness rows on {device}: {'all OK' if ok else 'NOT all OK'}")
-    served = sorted(delta_kernels._passed, key=str)
-    say(f"kernels self-checked and serving: {served}; off because: {delta_kernels._failed}")
+    served = sorted(delta_kernels.GATE.passed, key=str)
+    say(f"kernels self-checked and serving: {served}; off because: {delta_kernels.GATE.failed}")
     return ok
 
 

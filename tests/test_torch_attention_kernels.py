@@ -97,8 +97,7 @@ def test_the_route_on_the_emulator_matches_sdpa_math(dtype, dim, prefix, heads):
 @pytest.fixture
 def fresh(monkeypatch):
     """The routing's process state reset, the switch unset, the kernels 'on CUDA'."""
-    monkeypatch.setattr(attention_kernels, "_passed", set())
-    monkeypatch.setattr(attention_kernels, "_failed", None)
+    monkeypatch.setattr(attention_kernels, "GATE", nvrtc.Gate("attention", "SDPA"))
     monkeypatch.setattr(attention_kernels, "_compiled", {})
     monkeypatch.setattr(attention_kernels, "on_cuda", lambda x: True)
     monkeypatch.delenv("MLXWALK_KERNELS", raising=False)
@@ -173,7 +172,7 @@ def test_a_build_failure_falls_back_with_one_line(fresh, monkeypatch, capsys):
     )
     assert "head dim 64, bfloat16" in lines[0] and built == ["mlxwalk_attention_forward_tc"]
     monkeypatch.setenv("MLXWALK_KERNELS", "on")
-    monkeypatch.setattr(attention_kernels, "_failed", None)
+    attention_kernels.GATE.failed = None
     with pytest.raises(RuntimeError, match="MLXWALK_KERNELS=on, and attention/forward_tc"):
         run_walk(dim=64)
 

@@ -29,6 +29,7 @@ from metal_kernels.delta import chunked, pipeline  # noqa: E402
 from metal_kernels.sources import dtype_name  # noqa: E402
 from mlxwalk.errors import ConfigError  # noqa: E402
 from mlxwalk.torch_backend import delta, delta_kernels  # noqa: E402
+from mlxwalk.torch_backend.nvrtc import Gate  # noqa: E402
 
 DTYPES = {"float32": (torch.float32, mx.float32), "bfloat16": (torch.bfloat16, mx.bfloat16)}
 DTYPES["float16"] = (torch.float16, mx.float16)
@@ -147,8 +148,7 @@ def test_every_unit_builds_with_nvcc():
 @pytest.fixture
 def fresh(monkeypatch):
     """The routing's process state reset, the switch unset."""
-    monkeypatch.setattr(delta_kernels, "_passed", set())
-    monkeypatch.setattr(delta_kernels, "_failed", None)
+    monkeypatch.setattr(delta_kernels, "GATE", Gate("the delta rule", "the torch ops"))
     monkeypatch.setattr(delta_kernels, "_compiled", {})
     monkeypatch.delenv("MLXWALK_KERNELS", raising=False)
 

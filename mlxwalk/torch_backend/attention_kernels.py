@@ -22,7 +22,6 @@ replaced (the tests run the CUDA bodies on the CPU emulator through it).
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 
 import torch
@@ -43,8 +42,7 @@ WRITER = {"out": "forward_tc", "dq": "dq_tc", "dk": "dkdv_tc", "dv": "dkdv_tc"}
 Runner = Callable[[tc_calls.Call, list[torch.Tensor]], list[torch.Tensor]]
 
 _compiled: dict[tuple, object] = {}
-_passed: set[tuple] = set()  # (head dim, dtype, device) cases whose self-check passed
-_failed: str | None = None  # why the kernels are off for the rest of the process
+GATE = nvrtc.Gate("attention", "SDPA")  # cases (head dim, dtype, device)
 
 
 def unit(call: tc_calls.Call, input_dtypes: list) -> str:
@@ -210,23 +208,10 @@ def on_cuda(x: torch.Tensor) -> bool:
 def usable(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
     """Whether this call can run on the kernels: CUDA, shapes they take, the switch not off, and
     its case's self-check passed (run here the first time)."""
-    global _failed
-    how = mode()
-    if how == "off" or not on_cuda(query) or _failed is not None:
+    if mode() == "off" or not on_cuda(query) or GATE.failed is not None:
         return False
     if not takes(query, key, value):
         return False
     case_ = (query.shape[-1], dtype_name(query.dtype), query.device.index)
-    if case_ not in _passed:
-        why = self_check(query.dtype, query.shape[-1], query.device)
-        where = f"(CUDA, head dim {case_[0]}, {case_[1]})"
-        if why is not None and how == "on":
-            raise RuntimeError(
-                f"MLXWALK_KERNELS=on, and {why} {where}; unset MLXWALK_KERNELS to use SDPA"
-            )
-        if why is not None:
-            _failed = f"{why} {where}"
-            print(f"mlxwalk: {_failed}; attention runs on SDPA", file=sys.stderr)
-            return False
-        _passed.add(case_)
-    return True
+    where = f"(CUDA, head dim {case_[0]}, {case_[1]})"
+    return GATE.admits(case_, where, lambda: self_check(query.dtype, query.shape[-1], query.device))

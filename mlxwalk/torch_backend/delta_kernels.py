@@ -24,7 +24,6 @@ On the CPU nothing changes: the ops run.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 
 import torch
@@ -62,8 +61,7 @@ Runner = Callable[[pipeline.Call, list[torch.Tensor]], list[torch.Tensor]]
 
 _compiled: dict[tuple, object] = {}
 _params: dict[tuple, torch.Tensor] = {}
-_passed: set[tuple] = set()  # (dk, dtype, device) cases whose self-check passed
-_failed: str | None = None  # why the kernels are off for the rest of the process
+GATE = nvrtc.Gate("the delta rule", "the torch ops")  # cases (dk, dtype, device)
 
 
 def unit(call: pipeline.Call, input_dtypes: list) -> str:
@@ -237,33 +235,20 @@ def on_cuda(x: torch.Tensor) -> bool:
 def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether this call runs on the kernels: CUDA, shapes and dtypes they take, the switch not
     off, and its case's self-check passed (run here the first time)."""
-    global _failed
-    how = mode()
-    if how == "off" or not on_cuda(q) or _failed is not None:
+    if mode() == "off" or not on_cuda(q) or GATE.failed is not None:
         return False
     if not pipeline.takes(q.shape, k.shape, v.shape, (q.dtype, k.dtype, v.dtype), "cuda"):
         return False
     case = (q.shape[-1], dtype_name(q.dtype), q.device.index)
-    if case not in _passed:
-        why = self_check(q.dtype, q.shape[-1], q.device)
-        where = f"(CUDA, dk {case[0]}, {case[1]})"
-        if why is not None and how == "on":
-            raise RuntimeError(
-                f"MLXWALK_KERNELS=on, and {why} {where}; unset MLXWALK_KERNELS to use the ops"
-            )
-        if why is not None:
-            _failed = f"{why} {where}"
-            print(f"mlxwalk: {_failed}; the delta rule runs on the torch ops", file=sys.stderr)
-            return False
-        _passed.add(case)
-    return True
+    where = f"(CUDA, dk {case[0]}, {case[1]})"
+    return GATE.admits(case, where, lambda: self_check(q.dtype, q.shape[-1], q.device))
 
 
 def gated_delta(q, k, v, log_g, beta, state):
     """The gated delta rule, routed: the kernels where `usable`, else delta.gated_delta (the
     torch ops, recomputing backward); (y in q's dtype, final state float32). v goes to the
     kernels in q's dtype: the ops compute in float32 whatever v's dtype."""
-    if on_cuda(q) and mode() != "off" and _failed is None:
+    if on_cuda(q) and mode() != "off" and GATE.failed is None:
         vq = v.to(q.dtype)
         if usable(q, k, vq):
             return kernels_op(q, k, vq, log_g, beta, state)

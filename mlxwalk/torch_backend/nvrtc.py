@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -42,6 +44,37 @@ class KernelFailure(RuntimeError):
     def __init__(self, kernel: str, why: str):
         super().__init__(f"{kernel}: {why}")
         self.kernel = kernel
+
+
+@dataclass
+class Gate:
+    """A kernel family's routing state for the process: each case (head dim, dtype, device)
+    self-checked once before its first call, and the first failure switching the family off."""
+
+    what: str  # what the kernels compute, for the one line: "the delta rule"
+    fallback: str  # what serves it without them: "the torch ops"
+    passed: set[tuple] = field(default_factory=set)  # cases whose self-check passed
+    failed: str | None = None  # why the kernels are off for the rest of the process
+
+    def admits(self, case: tuple, where: str, check: Callable[[], str | None]) -> bool:
+        """Whether `case` runs on the kernels, `check` (why not, or None) run the first time.
+        Under MLXWALK_KERNELS=on a failing check raises; else it says so once and turns off."""
+        if self.failed is not None:
+            return False
+        if case in self.passed:
+            return True
+        why = check()
+        if why is not None and mode() == "on":
+            raise RuntimeError(
+                f"MLXWALK_KERNELS=on, and {why} {where}; unset MLXWALK_KERNELS to use "
+                f"{self.fallback}"
+            )
+        if why is not None:
+            self.failed = f"{why} {where}"
+            print(f"mlxwalk: {self.failed}; {self.what} runs on {self.fallback}", file=sys.stderr)
+            return False
+        self.passed.add(case)
+        return True
 
 
 def mode() -> str:
