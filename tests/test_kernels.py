@@ -9,10 +9,11 @@ import pytest
 
 import metal_kernels.attention as attention_kernels
 from metal_kernels import harness
-from metal_kernels.attention import blocks, traffic
+from metal_kernels.attention import Q8, blocks, traffic
 from mlxwalk.ops import routing
 from mlxwalk.ops.attention import Prefix, check, chunk_attention, path
 from mlxwalk.plan import PlanError
+from mlxwalk.walk import store as kvstore
 
 from .kernel_edits import mutating
 
@@ -112,6 +113,113 @@ def test_chunk_attention_routes_to_the_kernel_and_its_vjp(on_harness):
         want = mx.vjp(attend, [q, k, v, *taps], [cot])
     for a, b in zip([*got[0], *got[1]], [*want[0], *want[1]]):
         assert check.relative_error(a, b) < F32
+
+
+# The 8-bit store (mlx-lm's q8: mx.quantize's triples), read in place by the kernels: the walk's
+# groups are 64 at these head dims; 32 (mlx-lm's at head dims of 32 * odd) forced in one case.
+@pytest.mark.parametrize("dim, groups, group", [(64, 2, 64), (128, 3, 32), (256, 1, 64)])
+def test_float32_kernels_read_an_8bit_store_in_place(on_harness, monkeypatch, dim, groups, group):
+    """The kernels over the q8 store equal the twin over its dequantized values (float32 bar)."""
+    monkeypatch.setattr(kvstore, "group_size", lambda d: group)
+    sizes = check.Sizes(kv_heads=1, chunk=45, start=100, grad_from=37)
+    case = routing.AttentionCase("metal", mx.float32, dim, groups)
+    for name, (kernel_error, _) in check.errors(case, sizes, Q8.dtype).items():
+        assert kernel_error < F32, name
+
+
+@pytest.mark.parametrize("dtype, dim", [(mx.float32, 128), (mx.bfloat16, 64), (mx.float16, 256)])
+def test_an_8bit_store_reads_as_mx_dequantize_gives_it(on_harness, dtype, dim):
+    """The kernels over the q8 store equal, bit for bit, the same kernels over a store holding
+    mx.dequantize's values in the model's dtype: each element is dequantized as MLX does it."""
+    case = routing.AttentionCase("metal", dtype, dim, 2)
+    sizes = check.Sizes(kv_heads=2, chunk=33, start=70, grad_from=20)
+    x = check.inputs(case, sizes, Q8.dtype)
+    q8 = x["prefix"].store
+    assert isinstance(x["prefix"].in_place()[0], Q8)
+    dequantized = check.Store(*q8.read(0, 0, sizes.start + sizes.chunk, dtype), dtype)
+    y = dict(x, prefix=Prefix(dequantized, 0, sizes.start, dtype))
+    got, want = check.through("kernel", x), check.through("kernel", y)
+    for name in check.OUTPUTS:
+        assert mx.array_equal(got[name], want[name]).item(), name
+
+
+@pytest.mark.parametrize(
+    "stem, old, new, broken",
+    [  # a wrong scale (the forward's staging, dK/dV's taps); a wrong group (every element of a
+        # row on its first group's scale and bias)
+        ("attention/forward", "float(S(s * float(", "float(S(1.01f * s * float(", "out"),
+        ("attention/dkdv", "float(S(s * float(", "float(S(b * float(", "dtap_k"),
+        ("attention/dq", "+ c / G;", "+ c / D;", "dq"),
+        ("attention/dkdv", "+ d / G;", "+ d / D;", "dtap_v"),
+    ],
+)
+def test_the_harness_catches_a_wrong_dequantization(
+    on_harness, monkeypatch, stem, old, new, broken
+):
+    from metal_kernels import build
+
+    mutating(monkeypatch, stem, (old, new))
+    try:
+        case = routing.AttentionCase("metal", mx.float32, 128, 2)  # two groups a row
+        errors = check.errors(case, check.Sizes(chunk=40, start=70, grad_from=25), Q8.dtype)
+    finally:
+        monkeypatch.undo()
+        build.kernel.cache_clear()
+    assert not errors[broken][0] < 100 * F32, errors  # (NaN too: a bias as scale overflows)
+
+
+def q8_store(positions: int, heads: int = 2, dim: int = 64) -> kvstore.KVStore:
+    """The walk's 8-bit store of one attention layer over `positions`, filled."""
+    store = kvstore.KVStore([(heads, dim, dim)], positions, "q8", mx.float32)
+    store.write(0, 0, *mx.random.normal((2, 1, heads, positions, dim)))
+    mx.eval(store.arrays())
+    return store
+
+
+def graph_peak(store, start: int, how: str, chunk: int = 64, taps: int = 64) -> float:
+    """MiB MLX allocates past what it holds to evaluate one chunk's attention and its gradient
+    (taps over the prefix's last `taps` positions) through `how`, the prefix of `start` read
+    from layer 0 of `store`."""
+    mx.random.seed(0)
+    heads, dim = store.keys[0][0].shape[1], 64
+    q = mx.random.normal((1, 2 * heads, chunk, dim))
+    k, v = mx.random.normal((2, 1, heads, chunk, dim))
+    tk, tv = mx.zeros((2, 1, heads, taps, dim))
+    prefix = Prefix(store, 0, start, mx.float32)
+    mx.eval(q, k, v, tk, tv)
+
+    def loss(q, k, v, tk, tv):
+        attended = chunk_attention(q, k, v, prefix, start - taps, (tk, tv), 0.125, how=how)
+        return attended.sum()
+
+    grads = mx.grad(loss, argnums=(0, 1, 2, 3, 4))
+    mx.synchronize()
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    held = mx.get_active_memory()
+    mx.eval(grads(q, k, v, tk, tv))
+    return (mx.get_peak_memory() - held) / 2**20
+
+
+def test_an_8bit_stores_chunk_graph_is_flat_in_the_prefix(on_harness, monkeypatch):
+    """With a q8 store the kernels take the store's own arrays (nothing of the prefix computed
+    in the chunk's graph), so what the chunk's attention allocates is the same over a prefix of
+    1K and of 16K (a window of each); the twin, which dequantizes it tile by tile, allocates more
+    past one tile."""
+    calls = []
+    monkeypatch.setattr(routing, "launch", lambda call: calls.append(call) or harness.launch(call))
+    kernel, twin = [], []
+    for start in (1024, 16384):
+        store = q8_store(start + 64)
+        calls.clear()
+        kernel.append(graph_peak(store, start, "kernel"))
+        (kq, ks, kb), (vq, vs, vb) = store.keys[0], store.values[0]
+        assert len(calls) == 3
+        for call in calls:  # q, k, v, then the store's own packed keys, values, scales, biases
+            assert all(a is b for a, b in zip(call.inputs[3:9], [kq, vq, ks, kb, vs, vb]))
+        twin.append(graph_peak(store, start, "twin"))
+    assert kernel[1] <= kernel[0] * 1.01 + 0.01, kernel
+    assert twin[1] > twin[0] + 2 * (kernel[1] + 0.1), (twin, kernel)
 
 
 def test_a_mismatch_falls_back_with_one_line(on_harness, monkeypatch, capsys):
@@ -266,7 +374,8 @@ def test_mlx_renders_every_metal_kernel(dim):
         source = harness.render(call)
         assert "[[kernel]] void custom_kernel_" + call.spec.name in source
         g = blocks.metal(kind, dim, mx.bfloat16)
-        assert f"<bfloat16_t, float16_t, {dim}, {g.rows}, {g.walk}, {g.pad}, {g.split}>" in source
+        template = f"<bfloat16_t, float16_t, {dim}, 0, {g.rows}, {g.walk}, {g.pad}, {g.split}>"
+        assert template in source  # G = 0: a float store
         for name in call.spec.inputs + call.spec.outputs:
             assert f"* {name} [[buffer(" in source
 
@@ -496,6 +605,7 @@ def test_test_walk_exact_through_the_metal_kernels_on_the_harness(on_harness, ca
     out = capsys.readouterr().out
     assert "test-walk-exact: every row OK" in out
     assert "kernels: metal float32 head dim 64 GQA 2" in out
+    assert "metal float32 head dim 64 GQA 2 (q8 store)" in out  # the 8-bit row's, in place
 
 
 def test_a_launch_split_over_kv_heads_changes_no_bit(on_harness, monkeypatch):

@@ -1,7 +1,8 @@
 """How the chunk-attention kernels are called.
 
 A chunk's L queries attend to the cached prefix [0, start), read in place from the walk's K/V
-store, then causally to the chunk's own L keys. Three kernels, FlashAttention-2's split without
+store (a float one, or the 8-bit one as `Q8`: each element dequantized as it is read, as
+mx.dequantize computes it), then causally to the chunk's own L keys. Three kernels, FlashAttention-2's split without
 atomics (Apple GPUs emulate float atomics):
   forward: the output and the log-sum-exp per query row;
   dq:      dQ per query row, scores recomputed from the log-sum-exp, delta = rowsum(dO * O);
@@ -33,20 +34,61 @@ Runner = Callable[[Launch], list[mx.array]]
 ROWS = 4  # the scalar CUDA kernels' rows (warps of 32 threads) per block
 DIMS = tuple(range(32, 257, 32))  # head dims the CUDA kernels take: D / 32 per lane
 METAL_DIMS = blocks.METAL_DIMS  # head dims the Metal kernels take: those of the block table
-INPUTS = ("q", "k", "v", "pk", "pv", "params", "scale")
+# The store: pk, pv a float store's keys and values, or an 8-bit store's packed words with its
+# scales and biases (`Q8`); a float store passes itself in their place (template G = 0).
+STORE = ("pk", "pv", "pk_scales", "pk_biases", "pv_scales", "pv_biases")
+INPUTS = ("q", "k", "v", *STORE, "params", "scale")
 FORWARD = Spec("attention/forward", INPUTS, ("o", "lse"))
-DQ = Spec("attention/dq", (*INPUTS[:5], "d_out", "lse", "delta", *INPUTS[5:]), ("dq",))
+DQ = Spec("attention/dq", (*INPUTS[:9], "d_out", "lse", "delta", *INPUTS[9:]), ("dq",))
 DKDV = Spec("attention/dkdv", DQ.inputs, ("dk", "dv"))
 FORWARD_TC, DQ_TC, DKDV_TC = tc_launches.FORWARD, tc_launches.DQ, tc_launches.DKDV
+
+
+class Q8:
+    """One layer's keys or values in an 8-bit store, as mlx-lm's quantized cache keeps them and
+    the kernels read them in place: `mx.quantize(x, group_size=g, bits=8)`'s triple, `packed`
+    (BS, H, N, D / 4) uint32 (four elements a word, the first in the low byte), `scales` and
+    `biases` (BS, H, N, D / g) in the model's dtype; an element is scale * q + bias (MLX's affine
+    quantization). Indexing takes the same rows and heads of all three (a launch per head group).
+    `dtype` is the packed words' (what `supports` and the self-check key an 8-bit store by)."""
+
+    dtype = mx.uint32
+
+    def __init__(self, packed: mx.array, scales: mx.array, biases: mx.array):
+        self.packed, self.scales, self.biases = packed, scales, biases
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """(BS, H, N, D): the dequantized store's."""
+        *rows, words = self.packed.shape
+        return (*rows, words * 4)
+
+    @property
+    def group(self) -> int:
+        return self.shape[-1] // self.scales.shape[-1]
+
+    def __getitem__(self, index) -> Q8:
+        return Q8(self.packed[index], self.scales[index], self.biases[index])
+
+
+def store_inputs(pk, pv) -> tuple[list, mx.Dtype, int]:
+    """(the kernels' STORE inputs, the template's S, G): a float store's arrays in the place of
+    the scales and biases it has not (G = 0), or an 8-bit store's triples (S their dtype, G
+    their group size)."""
+    if isinstance(pk, Q8):
+        arrays = [pk.packed, pv.packed, pk.scales, pk.biases, pv.scales, pv.biases]
+        return arrays, pk.scales.dtype, pk.group
+    return [pk, pv, pk, pk, pv, pv], pk.dtype, 0
 
 
 def supports(
     q: mx.array, k: mx.array, v: mx.array, store_dtype: mx.Dtype | None, backend: str | None = None
 ) -> bool:
-    """The shapes and dtypes these kernels take (an 8-bit store, for one, they do not; nor values
-    of another head dim than the keys'); `backend`: the one they would run on (default: MLX's;
-    Metal's head dims are those of its block table)."""
-    floats = (mx.float32, mx.float16, mx.bfloat16)
+    """The shapes and dtypes these kernels take (not values of another head dim than the keys',
+    for one); `store_dtype` a float store's dtype or `Q8.dtype` for an 8-bit store (its groups
+    divide the head dim: mlx-lm's take 64 or 32); `backend`: the one they would run on (default:
+    MLX's; Metal's head dims are those of its block table)."""
+    floats = (mx.float32, mx.float16, mx.bfloat16, Q8.dtype)
     hq, hkv, dim = q.shape[1], k.shape[1], q.shape[-1]
     return (
         dim in (DIMS if _cuda(backend) else METAL_DIMS)
@@ -70,9 +112,10 @@ def _common(q, k, v, pk, pv, start, grad_from, scale):
         pk, pv, start, grad_from = k, v, 0, 0
     b, hq, n, dim = q.shape
     params = [b, hq, k.shape[1], n, pk.shape[2], start, grad_from, pk.shape[0]]
-    inputs = [q, k, v, pk, pv]
+    store, dtype, group = store_inputs(pk, pv)
+    inputs = [q, k, v, *store]
     extra = [mx.array(params, mx.int32), mx.array([scale], mx.float32)]
-    template = [("T", q.dtype), ("S", pk.dtype), ("D", dim)]
+    template = [("T", q.dtype), ("S", dtype), ("D", dim), ("G", group)]
     return inputs, extra, template, start - grad_from
 
 

@@ -89,16 +89,75 @@ inline void stage_rows(threadgroup T* dst, int ld, int rows, const device T* src
   }
 }
 
+// The store's rows of one K/V head as the kernels read them (`store_rows`: from the head's first
+// row, `row0`): a float store's elements (G = 0; P its dtype S, `scales` and `biases` unused), or
+// mlx-lm's 8-bit format (G > 0), mx.quantize's triple read in place: each row's D elements one
+// byte each, packed four to a uint32 (element 4w + i in bits 8i..8i+7 of word w), and per G
+// elements of a row a scale and a bias in S (the model's dtype; QP their pointer type: MLX passes
+// an input of fewer than 8 elements in `constant` memory). MLX's affine quantization: an element
+// is scale * q + bias, each operation rounded to S as mx.dequantize computes it, so the kernels
+// read the values the ops twin dequantizes. `four`: elements c..c+3 of a row as T into
+// threadgroup memory (c a multiple of 4: one word, one group); `at`: one element as a float.
+template <typename S, int D, int G, typename P, typename QP, bool BYTES = (G > 0)>
+struct StoreRows {
+  const device P* x;
+  QP scales;  // (unused)
+  QP biases;
+
+  template <typename T>
+  void four(threadgroup T* dst, int row, int c) const {
+    put4(dst, x + size_t(row) * D + c);
+  }
+  float at(int row, int d) const {
+    return float(x[size_t(row) * D + d]);
+  }
+};
+
+template <typename S, int D, int G, typename P, typename QP>
+struct StoreRows<S, D, G, P, QP, true> {
+  const device P* x;  // uint32 words, D / 4 a row
+  QP scales;  // D / G a row
+  QP biases;
+
+  // element i (0..3) of word w, its group's scale s and bias b as floats
+  static float value(uint w, int i, float s, float b) {
+    return float(S(float(S(s * float((w >> (8 * i)) & 0xffu))) + b));
+  }
+  template <typename T>
+  void four(threadgroup T* dst, int row, int c) const {
+    const uint w = x[(size_t(row) * D + c) / 4];
+    const size_t g = size_t(row) * (D / G) + c / G;
+    const float s = float(scales[g]), b = float(biases[g]);
+    UNROLL for (int i = 0; i < 4; ++i) {
+      dst[i] = T(value(w, i, s, b));
+    }
+  }
+  float at(int row, int d) const {
+    const size_t g = size_t(row) * (D / G) + d / G;
+    const uint w = x[(size_t(row) * D + d) / 4];
+    return value(w, d % 4, float(scales[g]), float(biases[g]));
+  }
+};
+
+// StoreRows from row `row0` of the head's arrays on (the offsets an 8-bit store's own).
+template <typename S, int D, int G, typename P, typename QP>
+inline StoreRows<S, D, G, P, QP> store_rows(const device P* x, QP scales, QP biases,
+                                            size_t row0) {
+  const size_t words = G > 0 ? D / 4 : D;  // elements of P a row
+  const size_t groups = G > 0 ? D / (G > 0 ? G : 1) : 0;  // scales a row
+  return {x + row0 * words, scales + row0 * groups, biases + row0 * groups};
+}
+
 // Stage key rows [k0, k0 + rows) of the window as T, 4 elements a thread at a time: below
-// `start` from the store (its dtype S converted, as the ops twin reads it), then the chunk's own
-// rows, zeros from `end`.
-template <int D, typename T, typename S>
-inline void stage_keys(threadgroup T* dst, int ld, int rows, const device S* store,
+// `start` from the store (StoreRows: its dtype converted or its 8-bit rows dequantized, as the
+// ops twin reads them), then the chunk's own rows, zeros from `end`.
+template <int D, typename T, typename R>
+inline void stage_keys(threadgroup T* dst, int ld, int rows, thread const R& store,
                        const device T* own, int k0, int start, int end, uint tid, uint threads) {
   for (uint e = 4 * tid; e < uint(rows * D); e += 4 * threads) {
     const int r = e / D, c = e % D, key = k0 + r;
     if (key < start) {
-      put4(dst + r * ld + c, store + size_t(key) * D + c);
+      store.four(dst + r * ld + c, key, c);
     } else if (key < end) {
       put4(dst + r * ld + c, own + size_t(key - start) * D + c);
     } else {

@@ -39,15 +39,84 @@ __device__ __forceinline__ void chunk_from(T* to, const S* from) {
   }
 }
 
+// x rounded to S (as a float): the dequantization's roundings, each operation in S.
+template <typename S>
+__device__ __forceinline__ float round_to(float x) {
+  if constexpr (same_type<S, float>::value) {
+    return x;
+  } else {
+    const u32 two = pack2<S>(x, x);
+    return to_float(*reinterpret_cast<const S*>(&two));
+  }
+}
+
+// Rows of D elements as the kernels read them into shared memory, 8 elements (16 bytes of T) a
+// `chunk` (col a multiple of 8): a float store's rows, or Q and dO (G = 0: dtype S, `chunk_from`),
+// or mlx-lm's 8-bit store read in place (G > 0): mx.quantize's triple, each row's D elements one
+// byte each, four to a uint32 (element 4w + i in bits 8i..8i+7 of word w), per G elements of a
+// row a scale and a bias in S (the model's dtype). MLX's affine quantization: an element is
+// scale * q + bias, each operation rounded to S as mx.dequantize computes it, then rounded to T
+// (the ops twin's read). `store_rows`: from row `row0` of the arrays on.
+template <typename S, int D, int G>
+struct StoreRows {
+  const u32* x;  // D / 4 words a row
+  const S* scales;  // D / G a row
+  const S* biases;
+
+  __device__ __forceinline__ static float value(u32 w, int i, float s, float b) {
+    return round_to<S>(round_to<S>(s * float((w >> (8 * i)) & 0xffu)) + b);
+  }
+  template <typename T>
+  __device__ __forceinline__ void chunk(T* to, size_t row, int col) const {
+    const u32* w = x + (row * D + col) / 4;
+    const size_t g = row * (D / G) + col / G;
+    const float s = to_float(scales[g]), b = to_float(biases[g]);
+    u32 out[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const u32 word = w[i / 2];
+      const int e = 2 * (i % 2);
+      out[i] = pack2<T>(value(word, e, s, b), value(word, e + 1, s, b));
+    }
+    *reinterpret_cast<uint4*>(to) = make_uint4(out[0], out[1], out[2], out[3]);
+  }
+};
+template <typename S, int D>
+struct StoreRows<S, D, 0> {
+  const S* x;
+
+  template <typename T>
+  __device__ __forceinline__ void chunk(T* to, size_t row, int col) const {
+    chunk_from<T, S>(to, x + row * D + col);
+  }
+};
+
+template <typename S, int D, int G, typename X, typename Y>
+__device__ __forceinline__ StoreRows<S, D, G> store_rows(const X* x, const Y* scales,
+                                                         const Y* biases, size_t row0) {
+  if constexpr (G == 0) {
+    return {x + row0 * D};
+  } else {
+    return {reinterpret_cast<const u32*>(x) + row0 * (D / 4), scales + row0 * (D / G),
+            biases + row0 * (D / G)};
+  }
+}
+
+// Plain rows of T (Q, dO): G = 0.
+template <int D, typename T>
+__device__ __forceinline__ StoreRows<T, D, 0> rows_of(const T* x) {
+  return {x};
+}
+
 // Rows [r0, r0 + ROWS) of a row space into shared memory (pitch D + PAD), 16 bytes per thread
-// per step, consecutive threads on consecutive 16 bytes of a row (coalesced): row r is
-// a + r D (dtype S: the store) for r < split, b + (r - split) D (dtype T: the chunk's own rows,
+// per step, consecutive threads on consecutive 16 bytes of a row (coalesced): row r is row r of
+// `a` (StoreRows: the store) for r < split, b + (r - split) D (dtype T: the chunk's own rows,
 // or Q and dO with split 0) for split <= r < end, zeros from end on. A tile wholly in one part
 // (every tile but the one or two at the boundaries) takes affine addresses with no per-row
 // choice; cp.async copies (the caller commits the group), a store of another dtype is
-// converted through registers.
-template <typename T, typename S, int D, int ROWS, int THREADS>
-__device__ __forceinline__ void load_span(T* dst, const S* a, const T* b, int r0, int split,
+// converted (an 8-bit one dequantized) through registers.
+template <typename T, int D, int ROWS, int THREADS, typename A>
+__device__ __forceinline__ void load_span(T* dst, const A& a, const T* b, int r0, int split,
                                           int end, int tid) {
   constexpr int CH = D / 8, P = D + PAD, CHUNKS = ROWS * CH;
   static_assert(THREADS % CH == 0, "a step covers whole rows");
@@ -55,11 +124,10 @@ __device__ __forceinline__ void load_span(T* dst, const S* a, const T* b, int r0
   const int rt = tid / CH, col = (tid % CH) * 8;
   T* to = dst + rt * P + col;
   if (r0 + ROWS <= split) {  // wholly the store's
-    const S* from = a + size_t(r0 + rt) * D + col;
 #pragma unroll
     for (int i = 0; i < STEPS; ++i) {
       if (CHUNKS % THREADS == 0 || rt + i * STEP < ROWS) {
-        chunk_from<T, S>(to + i * STEP * P, from + size_t(i * STEP) * D);
+        a.chunk(to + i * STEP * P, size_t(r0 + rt + i * STEP), col);
       }
     }
   } else if (r0 >= split && r0 + ROWS <= end) {  // wholly b's
@@ -76,7 +144,7 @@ __device__ __forceinline__ void load_span(T* dst, const S* a, const T* b, int r0
       const int r = rt + i * STEP, row = r0 + r;
       if (CHUNKS % THREADS == 0 || r < ROWS) {
         if (row < split) {
-          chunk_from<T, S>(to + i * STEP * P, a + size_t(row) * D + col);
+          a.chunk(to + i * STEP * P, size_t(row), col);
         } else {
           const bool valid = row < end;
           const T* from = valid ? b + size_t(row - split) * D + col : b;

@@ -27,9 +27,9 @@ if (row >= B * HKV * (NT + L)) {
 const int c = row % (NT + L), hk = (row / (NT + L)) % HKV, b = row / ((NT + L) * HKV);
 int first = 0;
 if (c < NT) {
-  const size_t at = size_t(((BS > 1 ? b : 0) * HKV + hk) * N + GF + c) * D;
-  row_stage<D>(tk[sg], pk + at, 1.0f, lane);
-  row_stage<D>(tv[sg], pv + at, 1.0f, lane);
+  const size_t at = size_t((BS > 1 ? b : 0) * HKV + hk) * N + GF + c;  // the tap's store row
+  row_stage<D>(tk[sg], store_rows<S, D, G>(pk, pk_scales, pk_biases, at).row(0), 1.0f, lane);
+  row_stage<D>(tv[sg], store_rows<S, D, G>(pv, pv_scales, pv_biases, at).row(0), 1.0f, lane);
 } else {
   first = c - NT;
   const size_t at = size_t((b * HKV + hk) * L + first) * D;

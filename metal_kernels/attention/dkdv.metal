@@ -36,14 +36,17 @@ const int kc = kr0 + fr;  // this lane's key row
 const float sc = scale[0], c2 = sc * LOG2E;
 
 // K and V: this lane's elements of its head dims, as the twin reads them (the store as T)
+const size_t pre = size_t((BS > 1 ? b : 0) * HKV + hk) * N;  // this head's first store row
+const auto ks = store_rows<S, D, G>(pk, pk_scales, pk_biases, pre);
+const auto vs = store_rows<S, D, G>(pv, pv_scales, pv_biases, pre);
 simdgroup_float8x8 kf[WT], vf[WT], gk[WT], gv[WT];
 UNROLL for (int t = 0; t < WT; ++t) {
   const int d = d0 + 8 * t + fc;
   float2 x = 0.0f, y = 0.0f;
   if (kc < NT) {
-    const size_t at = size_t(((BS > 1 ? b : 0) * HKV + hk) * N + GF + kc) * D + d;
-    x = float2(float(T(float(pk[at]))), float(T(float(pk[at + 1]))));
-    y = float2(float(T(float(pv[at]))), float(T(float(pv[at + 1]))));
+    const int at = GF + kc;  // the tap's store row
+    x = float2(float(T(ks.at(at, d))), float(T(ks.at(at, d + 1))));
+    y = float2(float(T(vs.at(at, d))), float(T(vs.at(at, d + 1))));
   } else if (kc < NK) {
     const size_t at = (size_t(bk) * L + kc - NT) * D + d;
     x = float2(float(k[at]), float(k[at + 1]));

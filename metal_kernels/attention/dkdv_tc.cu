@@ -12,7 +12,7 @@
 // SPLIT simdgroups per 8 rows summing partial scores, 8x8 simdgroup_float8x8 products in float,
 // <= 32 KiB of threadgroup memory, no async copies. A timing of this kernel on an NVIDIA GPU
 // says nothing about dkdv.metal's speed.
-// Template: T, S, D, NW, BM, SPLIT, KREG (metal_kernels/attention/blocks.py).
+// Template: T, S, D, G (as forward_tc.cu's), NW, BM, SPLIT, KREG (attention/blocks.py).
 using namespace mlxwalk_tc;
 constexpr int GROUPS = NW / SPLIT, BKV = 16 * GROUPS, THREADS = 32 * NW, P = D + PAD;
 constexpr int QC = BM / SPLIT, DC = D / SPLIT;  // a warp's query columns and dK/dV columns
@@ -35,7 +35,7 @@ const int blocks = (ROWS_ALL + BKV - 1) / BKV;
 const int c0 = int(blockIdx.x % blocks) * BKV, hk = (blockIdx.x / blocks) % HKV;
 const int b = blockIdx.x / (blocks * HKV);
 const size_t own = size_t(b * HKV + hk) * L * D;
-const size_t pre = size_t((BS > 1 ? b : 0) * HKV + hk) * N * D;
+const size_t pre = size_t((BS > 1 ? b : 0) * HKV + hk) * N + GF;  // the first tap's store row
 const float sc = scale[0], c = sc * LOG2E;
 
 // The queries the block's keys see start at the first own key's (the taps see every query).
@@ -47,14 +47,16 @@ auto load_tile = [&](int t, int stage) {
   const size_t qrows = size_t(b * HQ + hk * R + g) * L;
   const T* q_rows = q + qrows * D;
   const T* o_rows = d_out + qrows * D;
-  load_span<T, T, D, BM, THREADS>(sQ + stage * BM * P, q_rows, q_rows, q0, 0, L, tid);
-  load_span<T, T, D, BM, THREADS>(sdO + stage * BM * P, o_rows, o_rows, q0, 0, L, tid);
+  load_span<T, D, BM, THREADS>(sQ + stage * BM * P, rows_of<D>(q_rows), q_rows, q0, 0, L, tid);
+  load_span<T, D, BM, THREADS>(sdO + stage * BM * P, rows_of<D>(o_rows), o_rows, q0, 0, L, tid);
   load_floats<BM, THREADS>(sL + stage * BM, lse + qrows + q0, L - q0, tid);
   load_floats<BM, THREADS>(sDl + stage * BM, delta + qrows + q0, L - q0, tid);
 };
 // Key rows: the taps [0, NTAP) from the store (positions GF on), then the chunk's own.
-load_span<T, S, D, BKV, THREADS>(sK, pk + pre + size_t(GF) * D, k + own, c0, NTAP, ROWS_ALL, tid);
-load_span<T, S, D, BKV, THREADS>(sV, pv + pre + size_t(GF) * D, v + own, c0, NTAP, ROWS_ALL, tid);
+const auto k_taps = store_rows<S, D, G>(pk, pk_scales, pk_biases, pre);
+const auto v_taps = store_rows<S, D, G>(pv, pv_scales, pv_biases, pre);
+load_span<T, D, BKV, THREADS>(sK, k_taps, k + own, c0, NTAP, ROWS_ALL, tid);
+load_span<T, D, BKV, THREADS>(sV, v_taps, v + own, c0, NTAP, ROWS_ALL, tid);
 load_tile(0, 0);
 cp_commit();
 

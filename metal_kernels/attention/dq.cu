@@ -24,7 +24,9 @@ if (row >= B * HQ * L) {
 const int i = row % L, h = (row / L) % HQ, b = row / (L * HQ);
 const int hk = h / (HQ / HKV);
 const size_t own = size_t(b * HKV + hk) * L * D;
-const size_t pre = size_t((BS > 1 ? b : 0) * HKV + hk) * N * D;
+const size_t pre = size_t((BS > 1 ? b : 0) * HKV + hk) * N;  // this head's first store row
+const auto ks = store_rows<S, D, G>(pk, pk_scales, pk_biases, pre);
+const auto vs = store_rows<S, D, G>(pv, pv_scales, pv_biases, pre);
 row_stage<D>(tq[sg], q + size_t(row) * D, scale[0], lane);
 row_stage<D>(tdo[sg], d_out + size_t(row) * D, 1.0f, lane);
 const float lse_i = lse[row], delta_i = delta[row];
@@ -35,8 +37,8 @@ for (int base = 0; base < nk; base += 32) {
   const int j = base + lane;
   float ds = 0.0f;
   if (j < START) {
-    const float p = expf(row_dot<D>(tq[sg], pk + pre + size_t(j) * D) - lse_i);
-    ds = p * (row_dot<D>(tdo[sg], pv + pre + size_t(j) * D) - delta_i);
+    const float p = expf(row_dot<D>(tq[sg], ks.row(j)) - lse_i);
+    ds = p * (row_dot<D>(tdo[sg], vs.row(j)) - delta_i);
   } else if (j < nk) {
     const float p = expf(row_dot<D>(tq[sg], k + own + size_t(j - START) * D) - lse_i);
     ds = p * (row_dot<D>(tdo[sg], v + own + size_t(j - START) * D) - delta_i);
@@ -48,7 +50,7 @@ for (int base = 0; base < nk; base += 32) {
     const float dsj = tds[sg][jj];
     const int key = base + jj;
     if (key < START) {
-      row_axpy<D>(acc, dsj, pk + pre + size_t(key) * D, lane);
+      row_axpy<D>(acc, dsj, ks.row(key), lane);
     } else {
       row_axpy<D>(acc, dsj, k + own + size_t(key - START) * D, lane);
     }

@@ -26,7 +26,9 @@ const int bh = threadgroup_position_in_grid.x / blocks;  // b * HQ + h
 const int b = bh / HQ, hk = (bh % HQ) / (HQ / HKV);
 const device T* k_own = k + size_t(b * HKV + hk) * L * D;
 const device T* v_own = v + size_t(b * HKV + hk) * L * D;
-const size_t pre = size_t((BS > 1 ? b : 0) * HKV + hk) * N * D;
+const size_t pre = size_t((BS > 1 ? b : 0) * HKV + hk) * N;  // this head's first store row
+const auto ks = store_rows<S, D, G>(pk, pk_scales, pk_biases, pre);  // its keys, values
+const auto vs = store_rows<S, D, G>(pv, pv_scales, pv_biases, pre);
 const int kend = START + metal::min(q0 + BQ, L);
 
 const int rg = sg / SPLIT, d0 = (sg % SPLIT) * DW;  // this simdgroup's 8 rows, its head dims
@@ -47,7 +49,7 @@ UNROLL for (int t = 0; t < WT; ++t) {
   acc[t] = zero_tile();
 }
 for (int k0 = 0; k0 < kend; k0 += BK) {
-  stage_keys<D>(tkv, LD, BK, pv + pre, v_own, k0, START, kend, tid, THREADS);
+  stage_keys<D>(tkv, LD, BK, vs, v_own, k0, START, kend, tid, THREADS);
   threadgroup_barrier(mem_flags::mem_threadgroup);
   const int nt = active ? metal::clamp((klim - k0 + 7) / 8, 0, KT) : 0;
   simdgroup_float8x8 s[KT], dp[KT];
@@ -72,7 +74,7 @@ for (int k0 = 0; k0 < kend; k0 += BK) {
     }
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);  // V read (partials posted) before K lands
-  stage_keys<D>(tkv, LD, BK, pk + pre, k_own, k0, START, kend, tid, THREADS);
+  stage_keys<D>(tkv, LD, BK, ks, k_own, k0, START, kend, tid, THREADS);
   threadgroup_barrier(mem_flags::mem_threadgroup);
   if (nt > 0) {
     UNROLL for (int t = 0; t < WT; ++t) {  // S = Q K^T over this simdgroup's head dims

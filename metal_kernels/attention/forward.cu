@@ -1,8 +1,9 @@
 // Chunk attention forward: the scalar CUDA twin of forward.metal (CUDA runs it for float32
 // inputs; float16/bfloat16 take forward_tc.cu).
-// Shared with forward.metal: the contract (q, k, v, pk, pv, params, scale; o (B, HQ, L, D) and
-// lse (B, HQ, L) float32, the same layouts) and the math: the causal online softmax over the
-// prefix [0, START) read in place from the store, then the chunk's own keys, in float32;
+// Shared with forward.metal: the contract (q, k, v, the store's six inputs and template G, params,
+// scale; o (B, HQ, L, D) and lse (B, HQ, L) float32, the same layouts) and the math: the causal
+// online softmax over the prefix [0, START) read in place from the store (an 8-bit one
+// dequantized as read: StoreRows, common.cuh), then the chunk's own keys, in float32;
 // o = O / l, lse = m + log(l).
 // Not shared: one warp per query row, ROWS = 4 warps (128 threads) a block, each lane scoring one
 // key of 32 a step (a scalar dot over D) and holding D / 32 dims of O; natural exp on pre-scaled
@@ -24,7 +25,9 @@ if (row >= B * HQ * L) {
 const int i = row % L, h = (row / L) % HQ, b = row / (L * HQ);
 const int hk = h / (HQ / HKV);
 const size_t own = size_t(b * HKV + hk) * L * D;
-const size_t pre = size_t((BS > 1 ? b : 0) * HKV + hk) * N * D;
+const size_t pre = size_t((BS > 1 ? b : 0) * HKV + hk) * N;  // this head's first store row
+const auto ks = store_rows<S, D, G>(pk, pk_scales, pk_biases, pre);
+const auto vs = store_rows<S, D, G>(pv, pv_scales, pv_biases, pre);
 row_stage<D>(tq[sg], q + size_t(row) * D, scale[0], lane);
 
 const int nk = START + i + 1;
@@ -34,7 +37,7 @@ for (int base = 0; base < nk; base += 32) {
   const int j = base + lane;
   float s = MLXWALK_NEG_INF;
   if (j < START) {
-    s = row_dot<D>(tq[sg], pk + pre + size_t(j) * D);
+    s = row_dot<D>(tq[sg], ks.row(j));
   } else if (j < nk) {
     s = row_dot<D>(tq[sg], k + own + size_t(j - START) * D);
   }
@@ -53,7 +56,7 @@ for (int base = 0; base < nk; base += 32) {
     const float pj = tp[sg][jj];
     const int key = base + jj;
     if (key < START) {
-      row_axpy<D>(acc, pj, pv + pre + size_t(key) * D, lane);
+      row_axpy<D>(acc, pj, vs.row(key), lane);
     } else {
       row_axpy<D>(acc, pj, v + own + size_t(key - START) * D, lane);
     }

@@ -1,6 +1,9 @@
 // Chunk attention forward: o = softmax(q [prefix; k]^T * scale) [prefix; v] and its
 // log-sum-exp, causal inside the chunk, the prefix read in place from the K/V store.
-// q (B, HQ, L, D); k, v (B, HKV, L, D); pk, pv the store (BS, HKV, N, D), prefix = [0, START).
+// q (B, HQ, L, D); k, v (B, HKV, L, D); pk, pv the store (BS, HKV, N, D), prefix = [0, START):
+// a float store (G = 0; pk_scales ... pv_biases unused), or with G > 0 mlx-lm's 8-bit one read
+// in place, pk, pv its packed words (BS, HKV, N, D / 4) and pk_scales, pk_biases, pv_scales,
+// pv_biases (BS, HKV, N, D / G) in S (StoreRows, common.metal).
 // o (B, HQ, L, D) float32, lse (B, HQ, L) float32.
 // A threadgroup owns BQ query rows of one (b, h), 8 of them to each group of SPLIT simdgroups,
 // each of which holds D / SPLIT head dims of O in registers. Q is staged once; the keys its last
@@ -26,7 +29,9 @@ const int bh = threadgroup_position_in_grid.x / blocks;  // b * HQ + h
 const int b = bh / HQ, hk = (bh % HQ) / (HQ / HKV);
 const device T* k_own = k + size_t(b * HKV + hk) * L * D;  // this head's own K/V rows
 const device T* v_own = v + size_t(b * HKV + hk) * L * D;
-const size_t pre = size_t((BS > 1 ? b : 0) * HKV + hk) * N * D;  // this head's store rows
+const size_t pre = size_t((BS > 1 ? b : 0) * HKV + hk) * N;  // this head's first store row
+const auto ks = store_rows<S, D, G>(pk, pk_scales, pk_biases, pre);  // its keys, values
+const auto vs = store_rows<S, D, G>(pv, pv_scales, pv_biases, pre);
 const int kend = START + metal::min(q0 + BQ, L);  // keys the group's last row sees
 
 const int rg = sg / SPLIT, d0 = (sg % SPLIT) * DW;  // this simdgroup's 8 rows, its head dims
@@ -44,7 +49,7 @@ UNROLL for (int t = 0; t < WT; ++t) {
 }
 float m = MASKED, l = 0.0f;  // this lane's row: running max (log2 domain), its part of the sum
 for (int k0 = 0; k0 < kend; k0 += BK) {
-  stage_keys<D>(tkv, LD, BK, pk + pre, k_own, k0, START, kend, tid, THREADS);
+  stage_keys<D>(tkv, LD, BK, ks, k_own, k0, START, kend, tid, THREADS);
   threadgroup_barrier(mem_flags::mem_threadgroup);
   // key tiles this simdgroup's rows see in the block (the same for its 32 lanes and partners)
   const int nt = active ? metal::clamp((klim - k0 + 7) / 8, 0, KT) : 0;
@@ -69,7 +74,7 @@ for (int k0 = 0; k0 < kend; k0 += BK) {
     }
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);  // K read (partials posted) before V lands
-  stage_keys<D>(tkv, LD, BK, pv + pre, v_own, k0, START, kend, tid, THREADS);
+  stage_keys<D>(tkv, LD, BK, vs, v_own, k0, START, kend, tid, THREADS);
   if (nt > 0) {
     if (SPLIT > 1) {  // the whole S: the partners' parts, summed in one order by each
       sum_partials<SPLIT>(s, ts + rg * SPLIT * 8 * BK, nt, fr, fc);

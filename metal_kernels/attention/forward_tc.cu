@@ -11,7 +11,8 @@
 // to T as the A operand of P V. forward.metal: 8-64 query rows a threadgroup, 8x8
 // simdgroup_float8x8 products with P in float, <= 32 KiB of threadgroup memory, no async copies,
 // a rescale every block. A timing of this kernel on an NVIDIA GPU says nothing about its speed.
-// Template: T, S (the store's dtype), D, MT, NW, BN, QREG (metal_kernels/attention/blocks.py).
+// Template: T, S (the store's dtype; an 8-bit store's scales'), D, G (an 8-bit store's group, 0
+// for a float store: StoreRows, common_tc.cuh), MT, NW, BN, QREG (attention/blocks.py).
 using namespace mlxwalk_tc;
 constexpr int BQ = 16 * MT * NW, THREADS = 32 * NW, P = D + PAD;
 constexpr int NT = BN / 8, ND = D / 8;  // n-tiles of a score tile, of an output row block
@@ -29,9 +30,9 @@ const int h = (blockIdx.x / blocks) % HQ, b = blockIdx.x / (blocks * HQ);
 const int hk = h / (HQ / HKV);
 const T* k_own = k + size_t(b * HKV + hk) * L * D;
 const T* v_own = v + size_t(b * HKV + hk) * L * D;
-const size_t pre = size_t((BS > 1 ? b : 0) * HKV + hk) * N * D;
-const S* k_pre = pk + pre;
-const S* v_pre = pv + pre;
+const size_t pre = size_t((BS > 1 ? b : 0) * HKV + hk) * N;  // this head's first store row
+const auto k_pre = store_rows<S, D, G>(pk, pk_scales, pk_biases, pre);
+const auto v_pre = store_rows<S, D, G>(pv, pv_scales, pv_biases, pre);
 const size_t qrows = size_t(b * HQ + h) * L;
 const float sc = scale[0], c = sc * LOG2E;
 
@@ -39,11 +40,11 @@ const int kend = START + min(q0 + BQ, L);  // keys the block's last row sees
 const int tiles = (kend + BN - 1) / BN;
 // Key rows: [0, START) from the store, [START, START + L) the chunk's own, zeros past them.
 auto load_keys = [&](int stage, int k0) {
-  load_span<T, S, D, BN, THREADS>(sK + stage * BN * P, k_pre, k_own, k0, START, START + L, tid);
-  load_span<T, S, D, BN, THREADS>(sV + stage * BN * P, v_pre, v_own, k0, START, START + L, tid);
+  load_span<T, D, BN, THREADS>(sK + stage * BN * P, k_pre, k_own, k0, START, START + L, tid);
+  load_span<T, D, BN, THREADS>(sV + stage * BN * P, v_pre, v_own, k0, START, START + L, tid);
 };
 const T* q_rows = q + qrows * D;
-load_span<T, T, D, BQ, THREADS>(sQ, q_rows, q_rows, q0, 0, L, tid);
+load_span<T, D, BQ, THREADS>(sQ, rows_of<D>(q_rows), q_rows, q0, 0, L, tid);
 load_keys(0, 0);
 cp_commit();
 

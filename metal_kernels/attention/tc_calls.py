@@ -18,8 +18,11 @@ from ..sources import Spec
 from . import blocks as tables
 from .blocks import CudaBlocks
 
-INPUTS = ("q", "k", "v", "pk", "pv", "params", "scale")
-BACKWARD_INPUTS = (*INPUTS[:5], "d_out", "lse", "delta", *INPUTS[5:])
+# The store: a float store's keys and values (passed again in the place of the scales and
+# biases, template G = 0), or an 8-bit store's packed words, scales and biases (G their group).
+STORE = ("pk", "pv", "pk_scales", "pk_biases", "pv_scales", "pv_biases")
+INPUTS = ("q", "k", "v", *STORE, "params", "scale")
+BACKWARD_INPUTS = (*INPUTS[:9], "d_out", "lse", "delta", *INPUTS[9:])
 TC = {"headers": ("common_tc",), "backends": ("cuda",), "tensor_cores": True}
 FORWARD = Spec("attention/forward_tc", INPUTS, ("o", "lse"), **TC)
 DQ = Spec("attention/dq_tc", BACKWARD_INPUTS, ("dq",), **TC)
@@ -98,7 +101,7 @@ def shape(kernel: str, dim: int, override: CudaBlocks | None = None) -> CudaBloc
     return b
 
 
-def _call(spec, kernel, s: Sizes, dtype, store_dtype, scale, shapes, rows, heads, override):
+def _call(spec, kernel, s: Sizes, dtype, store_dtype, scale, shapes, rows, heads, override, group):
     """A launch of `kernel` over `rows` rows of each of `heads` heads."""
     b = shape(kernel, s.dim, override)
     groups = -(-rows // b.rows) * heads
@@ -109,25 +112,32 @@ def _call(spec, kernel, s: Sizes, dtype, store_dtype, scale, shapes, rows, heads
     smem = tables.cuda_shared_bytes(kernel, s.dim, b)
     if smem > SHARED_MEMORY:
         raise ValueError(f"{kernel} at head dim {s.dim}: {smem} bytes of shared memory for {b}")
-    template = [("T", dtype), ("S", store_dtype), ("D", s.dim), *extra]
+    template = [("T", dtype), ("S", store_dtype), ("D", s.dim), ("G", group), *extra]
     grid, block = (groups * b.threads, 1, 1), (b.threads, 1, 1)
     return Call(spec, grid, block, template, smem, s.params, scale, shapes)
 
 
-def forward_call(s: Sizes, dtype, store_dtype, scale: float, blocks=None) -> Call:
-    """The forward (s.grad_from unused): o (B, HQ, L, D) and lse (B, HQ, L), float32."""
+def forward_call(s: Sizes, dtype, store_dtype, scale: float, blocks=None, group: int = 0) -> Call:
+    """The forward (s.grad_from unused): o (B, HQ, L, D) and lse (B, HQ, L), float32.
+    `store_dtype`: a float store's, or an 8-bit store's scales' with `group` its group size."""
     shapes = [(s.batch, s.heads, s.length, s.dim), (s.batch, s.heads, s.length)]
     heads = s.batch * s.heads
-    return _call(FORWARD, "forward", s, dtype, store_dtype, scale, shapes, s.length, heads, blocks)
+    return _call(
+        FORWARD, "forward", s, dtype, store_dtype, scale, shapes, s.length, heads, blocks, group
+    )
 
 
-def backward_calls(s: Sizes, dtype, store_dtype, scale: float, blocks=None) -> tuple[Call, Call]:
+def backward_calls(
+    s: Sizes, dtype, store_dtype, scale: float, blocks=None, group: int = 0
+) -> tuple[Call, Call]:
     """(dq's call, dkdv's call): dq (B, HQ, L, D); dk, dv (B, HKV, taps + L, D), the taps
-    [grad_from, start) first. `blocks`: {"dq": CudaBlocks, "dkdv": CudaBlocks} to override."""
+    [grad_from, start) first. `blocks`: {"dq": CudaBlocks, "dkdv": CudaBlocks} to override;
+    `store_dtype`, `group` as forward_call's."""
     blocks = blocks or {}
-    t, st = dtype, store_dtype
+    t, st, g = dtype, store_dtype, group
     q_rows = (s.batch, s.heads, s.length, s.dim)
-    dq = _call(DQ, "dq", s, t, st, scale, [q_rows], s.length, s.batch * s.heads, blocks.get("dq"))
+    heads = s.batch * s.heads
+    dq = _call(DQ, "dq", s, t, st, scale, [q_rows], s.length, heads, blocks.get("dq"), g)
     rows = (s.batch, s.kv_heads, s.taps + s.length, s.dim)
     dkdv = _call(
         DKDV,
@@ -140,5 +150,6 @@ def backward_calls(s: Sizes, dtype, store_dtype, scale: float, blocks=None) -> t
         s.taps + s.length,
         s.batch * s.kv_heads,
         blocks.get("dkdv"),
+        g,
     )
     return dq, dkdv

@@ -32,9 +32,15 @@ def _sizes(q, k, pk, start: int, grad_from: int) -> Sizes:
     return Sizes.of(q.shape, k.shape, None if pk is None else pk.shape, start, grad_from)
 
 
-def _arrays(q, k, v, pk, pv) -> list[mx.array]:
-    """The array inputs (no prefix: the chunk's own K/V stand in for an empty store)."""
-    return [q, k, v, k, v] if pk is None else [q, k, v, pk, pv]
+def _arrays(q, k, v, pk, pv) -> tuple[list[mx.array], mx.Dtype, int]:
+    """(the array inputs, the template's S and G): no prefix, the chunk's own K/V stand in for an
+    empty store; an 8-bit store (`Q8`) passes its triples."""
+    from . import store_inputs  # (this package's __init__ imports this module)
+
+    if pk is None:
+        pk, pv = k, v
+    store, dtype, group = store_inputs(pk, pv)
+    return [q, k, v, *store], dtype, group
 
 
 def launch_of(call: Call, inputs: list[mx.array]) -> Launch:
@@ -54,8 +60,8 @@ def launch_of(call: Call, inputs: list[mx.array]) -> Launch:
 
 def forward_launch(q, k, v, pk, pv, start: int, scale: float, blocks=None) -> Launch:
     """The forward: o (B, HQ, L, D) and lse (B, HQ, L), float32."""
-    arrays = _arrays(q, k, v, pk, pv)
-    call = forward_call(_sizes(q, k, pk, start, start), q.dtype, arrays[3].dtype, scale, blocks)
+    arrays, dtype, group = _arrays(q, k, v, pk, pv)
+    call = forward_call(_sizes(q, k, pk, start, start), q.dtype, dtype, scale, blocks, group)
     return launch_of(call, arrays)
 
 
@@ -64,9 +70,10 @@ def backward_launches(
 ) -> tuple[Launch, Launch]:
     """(dq's launch, dkdv's launch): dq (B, HQ, L, D); dk, dv (B, HKV, taps + L, D), the taps
     [grad_from, start) first. `blocks`: {"dq": CudaBlocks, "dkdv": CudaBlocks} to override."""
-    arrays = _arrays(q, k, v, pk, pv) + [d_out, lse, delta]
+    arrays, dtype, group = _arrays(q, k, v, pk, pv)
+    arrays += [d_out, lse, delta]
     s = _sizes(q, k, pk, start, grad_from)
-    dq, dkdv = backward_calls(s, q.dtype, arrays[3].dtype, scale, blocks)
+    dq, dkdv = backward_calls(s, q.dtype, dtype, scale, blocks, group)
     return launch_of(dq, arrays), launch_of(dkdv, arrays)
 
 

@@ -6,14 +6,17 @@ separate process over the call's buffers, one block at a time (blocks split acro
 What this checks: the bodies' indexing, fragment layouts, masking, pipelining (a read of a
 cp.async destination before its wait reads NaN), barriers (a deadlock is reported), shared
 memory bounds. What it cannot: NVRTC or ptxas (scripts/compile-cuda.py builds the same source
-with nvcc), a GPU's scheduling or memory ordering, and speed. Kernels written for it use only the
-primitives of metal_kernels/mma.cuh: the tensor-core kernels; not the scalar `.cu` ones.
+with nvcc), a GPU's scheduling or memory ordering, and speed. The tensor-core kernels use only
+the primitives of metal_kernels/mma.cuh; the scalar `.cu` ones (warp shuffles, __syncwarp, static
+__shared__ arrays, made one per process: its blocks run one at a time) run here too, launched
+with their CUDA geometry (`backend="cuda"`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 import subprocess
 import tempfile
 from pathlib import Path
@@ -30,9 +33,14 @@ CACHE = Path(
 )
 
 
+_STATIC_SHARED = re.compile(r"^([ \t]*)__shared__ ", re.M)
+
+
 def _unit(call: Launch) -> str:
     head, _ = source(call.spec, "cuda")
-    kernel = cuda_source.render(call, "kernel", header=False)
+    # a block's static __shared__ arrays (the scalar kernels'): one per process, shared by the
+    # block's threads (blocks run one at a time); `extern __shared__` is emulate.h's smem
+    kernel = _STATIC_SHARED.sub(r"\1static ", cuda_source.render(call, "kernel", header=False))
     n = len(call.spec.inputs) + len(call.spec.outputs)
     types = [cuda_source.ctype(a.dtype) for a in call.inputs]
     types += [cuda_source.ctype(d) for d in call.output_dtypes]

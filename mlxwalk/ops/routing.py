@@ -56,7 +56,9 @@ class AttentionCase:
     op: ClassVar[str] = "attention"
 
     def __str__(self) -> str:
-        store = f" ({_name(self.store)} store)" if self.store else ""
+        store = ""
+        if self.store is not None:  # mx.uint32: an 8-bit store's packed words (Q8.dtype)
+            store = f" ({'q8' if self.store == mx.uint32 else _name(self.store)} store)"
         return f"{self.backend} {_name(self.dtype)} head dim {self.head_dim} GQA {self.gqa}{store}"
 
 

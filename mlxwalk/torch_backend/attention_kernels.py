@@ -99,11 +99,18 @@ def _names(q, pk) -> tuple[str, str]:
     return dtype_name(q.dtype), dtype_name(pk.dtype)
 
 
+def _store(q, k, v, pk, pv) -> list:
+    """The kernels' inputs up to the store's (tc_calls.STORE): a float store, passed again in the
+    place of the scales and biases of an 8-bit one (template G = 0; this route takes no 8-bit
+    store: the torch walk refuses a q8 cache)."""
+    return [q, k, v, pk, pv, pk, pk, pv, pv]
+
+
 def forward(query, key, value, scale: float, run: Runner = cuda_run):
     """(out (B, H, q, D) float32, lse (B, H, q) float32)."""
     q, k, v, pk, pv, start = _parts(query, key, value)
     s = tc_calls.Sizes.of(q.shape, k.shape, pk.shape, start, start)
-    out, lse = run(tc_calls.forward_call(s, *_names(q, pk), scale), [q, k, v, pk, pv])
+    out, lse = run(tc_calls.forward_call(s, *_names(q, pk), scale), _store(q, k, v, pk, pv))
     return out, lse
 
 
@@ -115,7 +122,7 @@ def backward(query, key, value, scale: float, out, lse, d_out, run: Runner = cud
     delta = (d_out.float() * out.float()).sum(-1)  # (B, H, q)
     s = tc_calls.Sizes.of(q.shape, k.shape, pk.shape, start, 0)
     dq_call, dkdv_call = tc_calls.backward_calls(s, *_names(q, pk), scale)
-    inputs = [q, k, v, pk, pv, d_out, lse, delta]
+    inputs = _store(q, k, v, pk, pv) + [d_out, lse, delta]
     (dq,) = run(dq_call, inputs)
     dk, dv = run(dkdv_call, inputs)
     rows = key.shape[2]  # the prefix's rows, then the chunk's own

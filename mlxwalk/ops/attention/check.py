@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from metal_kernels.attention import Q8
+
 from .. import routing
 from ..routing import AttentionCase as Case
 from . import kernel, twin
@@ -49,6 +51,29 @@ class Store:
         return tuple(a[layer][..., start:end, :].astype(dtype) for a in (self.keys, self.values))
 
 
+def q8_store(keys: mx.array, values: mx.array, dtype: mx.Dtype):
+    """One layer's K/V in the walk's 8-bit store (walk.store.KVStore, q8: mx.quantize's triples,
+    scales and biases in `dtype`, the model's)."""
+    from ...walk.store import KVStore
+
+    _, heads, n, dim = keys.shape
+    store = KVStore([(heads, dim, values.shape[-1])], n, "q8", dtype)
+    store.write(0, 0, keys, values)
+    return store
+
+
+def _store(keys: mx.array, values: mx.array, store: mx.Dtype, dtype: mx.Dtype, up: bool):
+    """The inputs' store: `store` a float dtype or Q8.dtype (8-bit, scales in `dtype`); `up`: a
+    float32 one holding the same values (an 8-bit store's as mx.dequantize gives them)."""
+    if store != Q8.dtype:
+        return Store(keys, values, mx.float32 if up else store)
+    q8 = q8_store(keys, values, dtype)
+    if not up:
+        return q8
+    n = keys.shape[2]
+    return Store(*q8.read(0, 0, n, mx.float32), mx.float32)
+
+
 @dataclass(frozen=True)
 class Sizes:
     kv_heads: int = 2
@@ -61,7 +86,9 @@ OUTPUTS = ("out", "dq", "dk", "dv", "dtap_k", "dtap_v")
 
 
 def inputs(case: Case, sizes: Sizes, store: mx.Dtype, up: bool = False) -> dict:
-    """One chunk's attention inputs, seeded; `up`: their float32 copies (the reference's)."""
+    """One chunk's attention inputs, seeded; `up`: their float32 copies (the reference's);
+    `store`: the store's dtype, Q8.dtype for the 8-bit store (the reference's prefix then holds
+    its dequantized values)."""
     rng = np.random.default_rng(0)
     hkv, n, start = sizes.kv_heads, sizes.chunk, sizes.start
     dtype = mx.float32 if up else case.dtype
@@ -74,7 +101,7 @@ def inputs(case: Case, sizes: Sizes, store: mx.Dtype, up: bool = False) -> dict:
     q = normal(1, hkv * case.gqa, n, d)
     k, v, d_out = normal(1, hkv, n, d), normal(1, hkv, n, d), normal(*q.shape)
     keys, values = normal(1, hkv, start + n, d), normal(1, hkv, start + n, d)
-    prefix = Prefix(Store(keys, values, mx.float32 if up else store), 0, start, dtype)
+    prefix = Prefix(_store(keys, values, store, case.dtype, up), 0, start, dtype)
     return {
         "q": q,
         "k": k,

@@ -14,6 +14,7 @@ import mlx.core as mx
 
 import metal_kernels.attention as attention_kernels
 from metal_kernels import roofline
+from metal_kernels.attention import Q8
 
 from .. import routing
 from .prefix import Prefix
@@ -50,7 +51,8 @@ def head_groups(kernels: tuple[str, ...], q, k, pk, start: int, grad_from: int) 
     hkv = k.shape[1]  # k: (B, HKV, L, D)
     if routing.backend() != "metal":
         return [slice(0, hkv)]
-    store = k.dtype if pk is None else pk.dtype
+    # an 8-bit store's bytes taken as its scales' dtype's: more than it reads (a split too many)
+    store = k.dtype if pk is None else (pk.scales.dtype if isinstance(pk, Q8) else pk.dtype)
     groups = launches_needed(kernels, b, hq, hkv, dim, n, start, grad_from, q.dtype, store)
     bounds = [i * hkv // groups for i in range(groups + 1)]
     return [slice(a, z) for a, z in zip(bounds, bounds[1:])]

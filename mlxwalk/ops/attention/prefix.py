@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from metal_kernels.attention import Q8
+
 
 @dataclass(frozen=True)
 class Prefix:
@@ -20,9 +22,11 @@ class Prefix:
     def read(self, start: int, end: int) -> tuple[mx.array, mx.array]:
         return self.store.read(self.layer, start, end, self.dtype)
 
-    def in_place(self) -> tuple[mx.array, mx.array] | None:
-        """The layer's whole store arrays (B, H, window, D), which the kernels read in place, or
-        None for a format they do not take (8-bit)."""
+    def in_place(self) -> tuple[mx.array, mx.array] | tuple[Q8, Q8]:
+        """The layer's whole store arrays (B, H, window, D), which the kernels read in place: a
+        float store's, or an 8-bit store's `mx.quantize` triples as `Q8` (the kernels dequantize
+        each element as they read it, so the chunk's graph holds no dequantized prefix)."""
+        keys, values = self.store.keys[self.layer], self.store.values[self.layer]
         if self.store.cache_type == "q8":
-            return None
-        return self.store.keys[self.layer], self.store.values[self.layer]
+            return Q8(*keys), Q8(*values)
+        return keys, values
