@@ -3,7 +3,10 @@
 The forward decode writes each chunk's post-RoPE K/V here; the reverse pass reads the prefix back
 as its taps. With a float16, bfloat16 or 8-bit store the prefix is read at that precision and its
 gradient is applied straight-through to the full-precision K/V of the chunk that made it.
-The 8-bit format is mlx-lm's quantized cache: `mx.quantize` triples, 8 bits, groups of 64.
+The 8-bit format is mlx-lm's quantized cache: `mx.quantize` triples, 8 bits, groups of 64 (32
+where the head dim is an odd multiple of 32). The attention kernels read it in place
+(ops/attention/prefix.py: `Prefix.in_place`, metal_kernels/attention's `Q8`), each element
+dequantized as it is read; the ops twin dequantizes it tile by tile.
 """
 
 from __future__ import annotations
