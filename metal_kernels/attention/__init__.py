@@ -2,8 +2,8 @@
 
 A chunk's L queries attend to the cached prefix [0, start), read in place from the walk's K/V
 store (a float one, or the 8-bit one as `Q8`: each element dequantized as it is read, as
-mx.dequantize computes it), then causally to the chunk's own L keys. Three kernels, FlashAttention-2's split without
-atomics (Apple GPUs emulate float atomics):
+mx.dequantize computes it), then causally to the chunk's own L keys. Three kernels,
+FlashAttention-2's split without atomics (Apple GPUs emulate float atomics):
   forward: the output and the log-sum-exp per query row;
   dq:      dQ per query row, scores recomputed from the log-sum-exp, delta = rowsum(dO * O);
   dkdv:    dK/dV per key row, for the tapped prefix [grad_from, start) and the chunk's own keys

@@ -13,14 +13,10 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from ..ops.attention.prefix import Q_BITS, dequantize, group_size, quantize
 from ..plan import CACHE_TYPES, Q_GROUPS, check_cache_type, q8_fits  # noqa: F401  (re-exported)
 
 _FLOAT = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
-Q_BITS = 8
-
-
-def group_size(dim: int) -> int:
-    return next(g for g in reversed(Q_GROUPS[:2]) if dim % g == 0)
 
 
 def element_bytes(cache_type: str, dim: int, dtype: mx.Dtype) -> float:
@@ -62,9 +58,7 @@ class KVStore:
         if self.cache_type != "q8":
             dst[..., start:end, :] = x.astype(dst.dtype)
             return dst
-        g = group_size(x.shape[-1])
-        parts = mx.quantize(x.astype(self.dtype), group_size=g, bits=Q_BITS)
-        for d, p in zip(dst, parts):
+        for d, p in zip(dst, quantize(x, self.dtype)):
             d[..., start:end, :] = p
         return dst
 
@@ -77,7 +71,4 @@ class KVStore:
     def _get(self, src, start: int, end: int, dtype: mx.Dtype) -> mx.array:
         if self.cache_type != "q8":
             return src[..., start:end, :].astype(dtype)
-        wq, scales, biases = (a[..., start:end, :] for a in src)
-        dim = wq.shape[-1] * 32 // Q_BITS
-        x = mx.dequantize(wq, scales, biases, group_size=group_size(dim), bits=Q_BITS)
-        return x.astype(dtype)
+        return dequantize([a[..., start:end, :] for a in src], dtype)

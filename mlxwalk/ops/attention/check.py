@@ -13,7 +13,7 @@ from metal_kernels.attention import Q8
 from .. import routing
 from ..routing import AttentionCase as Case
 from . import kernel, twin
-from .prefix import Prefix
+from .prefix import Prefix, dequantize, quantize
 
 relative_error = routing.relative_error
 
@@ -51,15 +51,19 @@ class Store:
         return tuple(a[layer][..., start:end, :].astype(dtype) for a in (self.keys, self.values))
 
 
-def q8_store(keys: mx.array, values: mx.array, dtype: mx.Dtype):
-    """One layer's K/V in the walk's 8-bit store (walk.store.KVStore, q8: mx.quantize's triples,
-    scales and biases in `dtype`, the model's)."""
-    from ...walk.store import KVStore
+class Q8Store(Store):
+    """One layer's K/V in the walk's 8-bit store (as walk.store.KVStore holds it: mx.quantize's
+    triples, scales and biases in `dtype`, the model's)."""
 
-    _, heads, n, dim = keys.shape
-    store = KVStore([(heads, dim, values.shape[-1])], n, "q8", dtype)
-    store.write(0, 0, keys, values)
-    return store
+    def __init__(self, keys: mx.array, values: mx.array, dtype: mx.Dtype):
+        self.cache_type = "q8"
+        self.keys, self.values = [quantize(keys, dtype)], [quantize(values, dtype)]
+
+    def read(self, layer: int, start: int, end: int, dtype: mx.Dtype):
+        return tuple(
+            dequantize([x[..., start:end, :] for x in a[layer]], dtype)
+            for a in (self.keys, self.values)
+        )
 
 
 def _store(keys: mx.array, values: mx.array, store: mx.Dtype, dtype: mx.Dtype, up: bool):
@@ -67,7 +71,7 @@ def _store(keys: mx.array, values: mx.array, store: mx.Dtype, dtype: mx.Dtype, u
     float32 one holding the same values (an 8-bit store's as mx.dequantize gives them)."""
     if store != Q8.dtype:
         return Store(keys, values, mx.float32 if up else store)
-    q8 = q8_store(keys, values, dtype)
+    q8 = Q8Store(keys, values, dtype)
     if not up:
         return q8
     n = keys.shape[2]

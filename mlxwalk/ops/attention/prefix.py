@@ -1,5 +1,5 @@
 """A layer's cached prefix as chunk attention reads it: tile by tile (the twin) or in place
-(the kernels)."""
+(the kernels); and the 8-bit store's format, which both read (walk/store.py writes it)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,29 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from metal_kernels.attention import Q8
+
+from ...plan import Q_GROUPS
+
+Q_BITS = 8
+
+
+def group_size(dim: int) -> int:
+    """The 8-bit store's group along a head of `dim`: 64, or 32 where 64 does not divide it."""
+    return next(g for g in reversed(Q_GROUPS[:2]) if dim % g == 0)
+
+
+def quantize(x: mx.array, dtype: mx.Dtype) -> list[mx.array]:
+    """(..., n, D) -> mx.quantize's triple: (..., n, D / 4) uint32, scales and biases (..., n,
+    D / g) in `dtype` (the model's)."""
+    return list(mx.quantize(x.astype(dtype), group_size=group_size(x.shape[-1]), bits=Q_BITS))
+
+
+def dequantize(triple, dtype: mx.Dtype) -> mx.array:
+    """mx.quantize's triple (..., n, D / 4) -> (..., n, D) in `dtype`."""
+    wq, scales, biases = triple
+    dim = wq.shape[-1] * 32 // Q_BITS
+    x = mx.dequantize(wq, scales, biases, group_size=group_size(dim), bits=Q_BITS)
+    return x.astype(dtype)
 
 
 @dataclass(frozen=True)
