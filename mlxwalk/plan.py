@@ -304,6 +304,7 @@ def plan_window(
 
 # The K/V store's element types, checked before any array exists.
 CACHE_TYPES = ("float32", "float16", "bfloat16", "q8")
+CACHE_CHOICES = ("auto", *CACHE_TYPES)  # auto: lossless, 8-bit only where a memory budget asks
 Q_GROUPS = (32, 64, 128)  # the group sizes mx.quantize takes
 
 
@@ -312,7 +313,7 @@ def check_cache_type(cache_type: str, head_dims: tuple[int, ...] = ()) -> str:
     quantize (its groups are 32, 64 or 128 wide).
 
     Args:
-        cache_type: one of CACHE_TYPES, the K/V store's element type.
+        cache_type: one of CACHE_CHOICES, the K/V store's element type (auto: walk/choices.py).
         head_dims: the model's attention head dimensions (checked for q8 only).
 
     Returns:
@@ -321,9 +322,9 @@ def check_cache_type(cache_type: str, head_dims: tuple[int, ...] = ()) -> str:
     Raises:
         ConfigError naming the flag and what it takes.
     """
-    if cache_type not in CACHE_TYPES:
+    if cache_type not in CACHE_CHOICES:
         raise ConfigError(
-            f"--cache-type {cache_type!r} is unknown; choose one of {', '.join(CACHE_TYPES)}"
+            f"--cache-type {cache_type!r} is unknown; choose one of {', '.join(CACHE_CHOICES)}"
         )
     if cache_type == "q8" and not q8_fits(head_dims):
         raise ConfigError(

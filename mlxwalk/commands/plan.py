@@ -8,8 +8,7 @@ from dataclasses import replace
 from ..errors import ConfigError, OutOfMemory
 from ..plan import mib, plan_window
 from ..training import adapters
-from ..walk import ExactWalk, WalkConfig, Window, arch, budget, machine, macs
-from ..walk.exact import probe
+from ..walk import ExactWalk, WalkConfig, Window, admission, arch, budget, choices, machine, macs
 from ..walk.store import check_cache_type
 from . import torch_module
 
@@ -28,16 +27,19 @@ def report(model, name: str, window: int, config: WalkConfig, echo=print) -> boo
     layout = heading(model, name, window, config, echo)
     config, default = with_default_budget(config, echo)
     labelled = Window.labelled(window)
-    try:  # with a memory budget: admission, and a longer checkpoint stride if that fits it
-        if config.device_budget is not None:
-            reach = plan_window(labelled.labels, config.chunk, layout.footprint()).chunks[-1].start
-            probe(model, config, reach, echo)
-        walk = ExactWalk(model, labelled, config)
+    try:  # with a memory budget: admission, and what it changes to fit (each probe said)
+        reach = plan_window(labelled.labels, config.chunk, layout.footprint()).chunks[-1].start
+        walk = ExactWalk(model, labelled, config, layout, admission.Graphs(reach, echo=echo))
     except OutOfMemory as e:
         echo(f"verdict: does not fit: {e}")
         return False
-    plan = walk.plan
-    echo(f"  {len(plan.chunks)} chunks, checkpoint stride {plan.stride}")
+    plan, chosen = walk.plan, walk.config
+    echo(
+        f"  {len(plan.chunks)} chunks of {plan.chunk}, checkpoint stride {plan.stride}, K/V "
+        f"store {chosen.cache_type}, accumulators {chosen.accumulator_dtype}"
+    )
+    for line in choices.lines(walk.given_up):
+        echo(line)
     if walk.stem:
         echo(
             f"  layers 0-{walk.stem - 1} train nothing and have nothing trainable beneath them: "
@@ -45,7 +47,7 @@ def report(model, name: str, window: int, config: WalkConfig, echo=print) -> boo
         )
     # Without a budget nothing is probed: the graph's share is measured only when it matters.
     unmeasured = budget.Activations(config.chunk, 0.0, 0.0)
-    est = walk.estimate or budget.estimate(model, layout, unmeasured, plan, config.cache_type)
+    est = walk.estimate or budget.estimate(model, layout, unmeasured, plan, chosen.cache_type)
     if walk.keep != "off" and not est.inputs:  # --recompute's layer inputs, kept from the decode
         est = replace(est, inputs=walk.inputs_bytes(plan))
     for line in est.lines():

@@ -10,10 +10,10 @@ the same seed), and writes mlx-lm's adapter files. Differences, each by design:
   grad_checkpoint     the walk's recompute (each chunk's graph layer by layer)
   fine_tune_type      lora only (dora and full are refused)
   report_to           wandb/swanlab through mlx-lm's callbacks, when installed
-Adds the walk's options (--walk, --chunk, --horizon, --cache-type, --host-budget-mib,
---memory-budget-mib, --strict-exact, --overwrite) and `mlxwalk train`'s objectives: --objective
-dpo or simpo (--beta, --gamma) trains on preference pairs in mlx-lm-lora's formats
-(preference.py). What the walk can't honour is refused in one line.
+Adds the walk's options (--walk, --chunk, --horizon, --cache-type, --accumulator-dtype,
+--min-chunk, --host-budget-mib, --memory-budget-mib, --strict-exact, --overwrite) and `mlxwalk
+train`'s objectives: --objective dpo or simpo (--beta, --gamma) trains on preference pairs in
+mlx-lm-lora's formats (preference.py). What the walk can't honour is refused in one line.
 """
 
 from __future__ import annotations
@@ -56,6 +56,8 @@ WALK_OPTIONS = (
     "chunk",
     "horizon",
     "cache_type",
+    "accumulator_dtype",
+    "min_chunk",
     "host_budget_mib",
     "memory_budget_mib",
     "strict_exact",
@@ -385,6 +387,8 @@ def run(o, training_callback=None) -> None:
         chunk=o.chunk,
         horizon=o.horizon,
         cache_type=o.cache_type,
+        accumulator_dtype=o.accumulator_dtype,
+        min_chunk=o.min_chunk,
         recompute=bool(o.grad_checkpoint),
         host_budget_mib=o.host_budget_mib,
         memory_budget_mib=o.memory_budget_mib,

@@ -13,7 +13,7 @@ from ..errors import ConfigError, OutOfMemory
 from ..plan import mib, plan_window
 from ..walk.window import Window
 from .model import footprint
-from .walk import DTYPES, mib_bytes
+from .walk import DTYPES, mib_bytes, torch_store
 
 
 def meta_model(folder):
@@ -28,7 +28,7 @@ def meta_model(folder):
 def run(args, echo=print) -> int:
     from .train import model_folder
 
-    if args.cache_type not in DTYPES:
+    if args.cache_type not in (*DTYPES, "auto"):
         raise ConfigError(
             f"--cache-type {args.cache_type}: the torch backend stores K/V as {', '.join(DTYPES)}"
         )
@@ -36,12 +36,13 @@ def run(args, echo=print) -> int:
         return measured(args, echo)
     model = meta_model(model_folder(args.model))
     foot = footprint(model)
-    store_bytes = DTYPES[args.cache_type].itemsize
+    store = DTYPES.get(torch_store(args.cache_type)) or model.dtype
+    store_bytes = store.itemsize
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     echo(
         f"model {args.model} ({model.config.model_type}, torch backend), window {args.window}, "
         f"chunk {args.chunk}, horizon {args.horizon or 'the whole window'}, "
-        f"K/V store {args.cache_type}"
+        f"K/V store {str(store).removeprefix('torch.')}"
     )
     ones = np.ones(args.window)
     host = None if args.host_budget_mib is None else int(args.host_budget_mib * 2**20)
@@ -81,7 +82,7 @@ def measured(args, echo=print) -> int:
         layers=layers,
         keys=DEFAULT_KEYS,
     )
-    config = TorchWalkConfig.from_fields(args, store_dtype=args.cache_type)
+    config = TorchWalkConfig.from_fields(args, store_dtype=torch_store(args.cache_type))
     echo(
         f"model {args.model} ({model.config.model_type}, torch backend, CUDA), window "
         f"{args.window}, chunk {args.chunk}, horizon {args.horizon or 'the whole window'}, "

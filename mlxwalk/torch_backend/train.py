@@ -36,7 +36,7 @@ from ..training.optimizer_spec import OptimizerSpec
 from ..walk.window import Window
 from . import model as models
 from .ranks import TorchRanks
-from .walk import DTYPES, ExactWalk, PlainWalk, TorchWalkConfig, train_window
+from .walk import DTYPES, ExactWalk, PlainWalk, TorchWalkConfig, torch_store, train_window
 
 DEFAULT_KEYS = ("q_proj", "v_proj", "in_proj_qkv", "in_proj_z")  # attention and delta-net
 
@@ -48,12 +48,16 @@ def refuse_unsupported(cfg: TrainConfig) -> None:
         raise ConfigError(
             "--memory-budget-mib counts CUDA memory, and there is no CUDA device here"
         )
-    if cfg.cache_type not in DTYPES:
+    if cfg.cache_type not in (*DTYPES, "auto"):
         raise ConfigError(
             f"--cache-type {cfg.cache_type}: the torch backend stores K/V as {', '.join(DTYPES)}"
         )
     if cfg.dropout:
         raise ConfigError("--dropout: the torch walk trains without LoRA dropout")
+    if cfg.accumulator_dtype == "bfloat16":
+        raise ConfigError("--accumulator-dtype bfloat16: the torch walk accumulates in float32")
+    if cfg.min_chunk is not None:
+        raise ConfigError("--min-chunk: the torch walk keeps --chunk under a memory budget")
 
 
 def model_folder(name: str) -> Path:
@@ -115,7 +119,7 @@ class TorchFramework(Framework):
         )
 
     def walk_config(self, cfg: TrainConfig) -> TorchWalkConfig:
-        return TorchWalkConfig.from_fields(cfg, store_dtype=cfg.cache_type)
+        return TorchWalkConfig.from_fields(cfg, store_dtype=torch_store(cfg.cache_type))
 
     def adapt(self, cfg: TrainConfig, spec: OptimizerSpec) -> None:
         torch.manual_seed(cfg.seed)

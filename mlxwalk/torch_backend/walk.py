@@ -31,6 +31,13 @@ log = logging.getLogger("mlxwalk")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def torch_store(cache_type: str) -> str | None:
+    """--cache-type on torch: "auto" is the model's own dtype (None), which holds its K/V bit for
+    bit; the torch walk takes no lossy choice of its own under a budget (it moves the
+    accumulators, then the store, to host memory instead)."""
+    return None if cache_type == "auto" else cache_type
+
+
 @dataclass
 class TorchWalkConfig:
     chunk: int

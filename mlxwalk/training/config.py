@@ -147,7 +147,25 @@ class TrainConfig:
     horizon: int = option(
         0, "prefix positions each chunk sends gradient to (0 = the whole window)", plan=True
     )
-    cache_type: str = option("float32", "K/V store: float32, float16, bfloat16 or q8", plan=True)
+    cache_type: str = option(
+        "auto",
+        "K/V store: auto (lossless: the model's K/V precision where that is float16 or bfloat16, "
+        "else float32; 8-bit only where --memory-budget-mib needs it), float32, float16, "
+        "bfloat16 or q8",
+        plan=True,
+    )
+    accumulator_dtype: str = option(
+        "auto",
+        "K/V gradient accumulators: auto (float32; bfloat16 only where --memory-budget-mib "
+        "needs it), float32 or bfloat16",
+        plan=True,
+    )
+    min_chunk: int | None = option(
+        None,
+        "the smallest chunk --memory-budget-mib may halve --chunk to (default 256); equal to "
+        "--chunk, the chunk is held",
+        plan=True,
+    )
     host_budget_mib: float | None = option(None, "accumulators + checkpoints", plan=True)
     memory_budget_mib: float | None = option(
         None, "all the run holds in MLX's memory: refused or held to it", plan=True
@@ -221,7 +239,8 @@ class TrainConfig:
         choice("fit", self.fit, data.FITS)
         choice("on_nan", self.on_nan, ON_NAN)
         choice("backend", self.backend, ("mlx", "torch"))
-        for name in ("epochs", "chunk", "window", "iters", "rank", "windows_per_step"):
+        choice("accumulator_dtype", self.accumulator_dtype, ("auto", "float32", "bfloat16"))
+        for name in ("epochs", "chunk", "window", "iters", "rank", "windows_per_step", "min_chunk"):
             at_least(name, getattr(self, name), 1)
         at_least("horizon", self.horizon, 0, " (0 = the whole window)")
         seed_range(self.seed)

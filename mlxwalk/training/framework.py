@@ -5,7 +5,7 @@ folders."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +37,13 @@ class Admission:
     store: int
     total: int | None = None
     graph: int | None = None
+    given_up: list = field(default_factory=list)  # what the budget changed (walk/choices.Choice)
+
+    def lines(self) -> list[str]:
+        """What the budget changed, as the run says it at its start."""
+        if not self.given_up:
+            return []
+        return ["to fit the memory budget:", *(f"  {c.said()}" for c in self.given_up)]
 
 
 class Framework:

@@ -85,7 +85,7 @@ def fits_machine(model, layout, walk, cfg) -> None:
 
     memory = machine.memory()
     unmeasured = budget.Activations(cfg.chunk, 0.0, 0.0)
-    est = budget.estimate(model, layout, unmeasured, walk.plan, cfg.cache_type)
+    est = budget.estimate(model, layout, unmeasured, walk.plan, walk.config.cache_type)
     if walk.keep != "off" and not est.inputs:
         est = replace(est, inputs=walk.inputs_bytes(walk.plan))
     if memory.bytes is None or est.total <= memory.bytes:
@@ -93,7 +93,7 @@ def fits_machine(model, layout, walk, cfg) -> None:
     if est.weights + est.adapter > memory.bytes:
         what = "a lower --rank, fewer --num-layers or a smaller model would be needed"
     else:
-        what = budget.what_fits(layout, cfg.cache_type)
+        what = budget.what_fits(layout, walk.config.cache_type)
     raise OutOfMemory(
         f"memory: the walk needs {mib(est.total)} at least (weights {mib(est.weights)}, adapter "
         f"and optimizer {mib(est.adapter)}, K/V store {mib(est.store)}, accumulators "
@@ -108,13 +108,26 @@ class MLXFramework(Framework):
     name = "mlx"
     adapter_files = ("adapters.safetensors", "adapter_config.json")
     ranks_kind = Ranks
+    # hears what a window's walk changed to fit the memory budget, each change once (the
+    # drop-in, which admits no window before its first; `mlxwalk train` says its largest's)
+    echo_choices = None
 
     @classmethod
     def around(cls, model, optimizer, ranks: Ranks) -> MLXFramework:
         """The mechanics around a model and optimizer made elsewhere (mlx-lm's drop-in)."""
         fw = cls(ranks)
         fw.model, fw.optimizer, fw.layout = model, optimizer, arch.inspect(model)
+        fw.echo_choices = print if ranks.leader else None
         return fw
+
+    def tell(self, given_up: list) -> None:
+        """What a window's walk changed to fit the budget that no window said before."""
+        said = self.__dict__.setdefault("said_choices", set())
+        new = [c.said() for c in given_up if c.said() not in said]
+        if self.echo_choices is not None and new:
+            lines = ["to fit the memory budget:", *(f"  {line}" for line in new)]
+            self.echo_choices("\n".join(lines), flush=True)
+        said.update(new)
 
     def model_folder(self, model: str) -> Path:
         return models.resolve(model)
@@ -150,12 +163,12 @@ class MLXFramework(Framework):
 
         window = Window.of(example.inputs, example.targets, example.weights)
         walk = ExactWalk(self.model, window, cfg.walk_config(), self.layout)
-        store = budget.store_bytes(self.layout, walk.plan.computed, cfg.cache_type)
+        store = budget.store_bytes(self.layout, walk.plan.computed, walk.config.cache_type)
         est = walk.estimate
         if est is None:
             fits_machine(self.model, self.layout, walk, cfg)
             return Admission(walk.plan, store)
-        return Admission(walk.plan, est.store, est.total, est.graph)
+        return Admission(walk.plan, est.store, est.total, est.graph, walk.given_up)
 
     def snapshot(self):
         """References do: MLX arrays are immutable."""
@@ -190,6 +203,7 @@ class MLXFramework(Framework):
         walk, grads = exact_gradient(
             self.model, window, cfg.walk_config(seed=seed), on_chunk, self.layout
         )
+        self.tell(walk.given_up)
         return walk.loss, grads, getattr(walk, "horizon_used", cfg.horizon)
 
     def accumulate(self, acc: dict, grads: dict, scale: float) -> dict:

@@ -74,7 +74,9 @@ def opening(run) -> list[str]:
             f"memory estimate: {admitted.total / MIB:.1f} MiB (graph {admitted.graph / MIB:.1f}, "
             f"K/V store {admitted.store / MIB:.1f}, host {admitted.plan.host_bytes / MIB:.1f})"
         )
-    elif admitted is not None:
+    if admitted is not None:
+        lines += admitted.lines()
+    if admitted is not None and admitted.total is None:
         lines.append(
             f"memory: K/V store {admitted.store / MIB:.1f} MiB, accumulators and checkpoints "
             f"{admitted.plan.host_bytes / MIB:.1f} MiB, beside the weights and one chunk's graph "
@@ -286,6 +288,7 @@ def summary(run) -> dict:
         "memory_estimate_mib": mib_or_none(admitted.total) if admitted else None,
         "host_mib": round(admitted.plan.host_bytes / MIB, 2) if admitted else 0.0,
         "graph_mib": mib_or_none(admitted.graph) if admitted else None,
+        "given_up": [c.as_dict() for c in admitted.given_up] if admitted else [],
         "peak_mib": round(run.peak / MIB, 2),
         "windows_over_budget": watch.over_budget,
         "diverged_at_window": watch.collapsed,

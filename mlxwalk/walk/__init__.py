@@ -20,7 +20,8 @@ On MLX:
   loss.py        a chunk's loss, from logits or from hidden states in blocks
   arch.py        what the walk needs of a model: its attention and recurrent layers
   budget.py      memory: the estimate and the refusal; admission.py settles an exact walk's plan
-                 against it, probe.py measures one chunk's graph
+                 against it, probe.py measures one chunk's graph, choices.py what "auto"
+                 settings become and what the admission changed to fit
   guards.py      token ids within the vocabulary; a finite loss and gradient before a step
 
 Importing the package loads no array library: a name below is imported where it is first used.

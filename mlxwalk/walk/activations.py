@@ -22,6 +22,13 @@ class Activations:
     tap_factor: float
     prefix_factor: float = 0.0
 
+    def at(self, chunk: int) -> Activations:
+        """An estimate of this graph at another chunk size: a chunk's activations (and an
+        unfused attention's scores per prefix position) scale with its rows; a tapped
+        position's gradient does not. The admission confirms it with a probe at that chunk."""
+        r = chunk / self.chunk
+        return Activations(chunk, self.graph * r, self.tap_factor, self.prefix_factor * r)
+
 
 def graph_bytes(acts: Activations, footprint: Footprint, taps: int, prefix: int = 0) -> int:
     """One chunk's graph after `prefix` positions, `taps` of them tapped: linear in both (a tiled

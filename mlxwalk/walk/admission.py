@@ -1,9 +1,11 @@
 """An exact walk's admission under its memory budget, settled before any array of the window:
-its plan (a longer checkpoint stride where the checkpoints would not fit), its kept inputs and
-its head's products (given up, in that order of gain, where they would not fit), one chunk's graph
-measured by the probe (probe.py), and the refusal (budget.py) where even one chunk of taps would
-not fit. `Admission` is the MLX exact walk's (walk/exact.py), on its model, layout and config;
-`Graphs` one chunk's graph measured once and handed to many admissions of one model."""
+what it gives up to fit, exact measures first (the head's dequantized copy, a longer checkpoint
+stride, kept inputs, a smaller chunk), then lossy ones where "auto" allows them (bfloat16
+accumulators, an 8-bit K/V store), then a narrowed horizon or the refusal (budget.py) where even
+one chunk of taps would not fit. What the walk holds before any graph is checked first, without
+measuring a chunk's graph (the probe, probe.py, decodes a window of its own). `Admission` is the
+MLX exact walk's (walk/exact.py), on its model, layout and config; `Graphs` one chunk's graph
+measured once and handed to many admissions of one model."""
 
 from __future__ import annotations
 
@@ -14,8 +16,8 @@ import mlx.core as mx
 import numpy as np
 
 from ..ops.products import head_swapped
-from ..plan import OutOfMemory, Plan, plan_window
-from . import budget
+from ..plan import MIB, OutOfMemory, Plan, plan_window, q8_fits
+from . import budget, choices
 from . import probe as probes
 from .accum import ACCUMULATOR_DTYPES
 from .activations import Activations, graph_bytes
@@ -33,26 +35,30 @@ PROBED = (
     "head_products",
     "decode_run",
 )
+# The lossy choices "auto" allows under a memory budget, in the order they are taken (the
+# accumulators first: they change no chunk's graph, so no probe measures again).
+LOSSY_STEPS = (("accumulator_dtype", "bfloat16"), ("cache_type", "q8"))
+LOSSY_SAID = {"accumulator_dtype": "bfloat16 accumulators", "cache_type": "an 8-bit K/V store"}
 
 
 @dataclass
 class Graphs:
-    """One chunk's graph, measured once per setting of the head's products (the one setting an
-    admission changes between its probes) and reused by every admission handed it: for a caller
-    that admits one model at one chunk under many budgets or windows (`mlxwalk plan --macs`,
-    scripts/mac-table.py), where the probe's own cache measures again for each window that
-    reaches further. Measured over a prefix of `reach` positions (the longest any of those
+    """One chunk's graph, measured once per setting that shapes it and that an admission changes
+    between its probes (the head's products, the chunk, the store) and reused by every admission
+    handed it: for a caller that admits one model under many budgets or windows (`mlxwalk plan`,
+    `--macs`, scripts/mac-table.py), where the probe's own cache measures again for each window
+    that reaches further. Measured over a prefix of `reach` positions (the longest any of those
     admissions reads; a longer one is extrapolated from it, as every estimate is), or given."""
 
     reach: int
-    measured: dict[str, Activations] = field(default_factory=dict)  # head products -> graph
+    measured: dict[tuple, Activations] = field(default_factory=dict)  # (head, chunk, store)
     echo: Callable[[str], None] | None = None  # hears each of the probe's walks
 
     def of(self, walk: type, model, config: WalkConfig) -> Activations:
-        head = config.head_products
-        if head not in self.measured:
-            self.measured[head] = probe(walk, model, config, self.reach, self.echo)
-        return self.measured[head]
+        key = (config.head_products, config.chunk, config.cache_type)
+        if key not in self.measured:
+            self.measured[key] = probe(walk, model, config, self.reach, self.echo)
+        return self.measured[key]
 
 
 class Admission:
@@ -92,43 +98,187 @@ class Admission:
 
     def admit(self) -> budget.Estimate | None:
         """With a memory budget: the walk's memory, or a refusal before any array of the window.
-        Unless a host budget says otherwise, the checkpoints get what the rest leaves over (a
-        longer stride when they would not fit); the walk is refused if even one chunk of taps
-        would not fit."""
+        The floor (all but a chunk's graph) first, taking the lossy choices it needs before any
+        probe; then, exact measures first, the largest chunk that fits at the full horizon; else
+        the smallest chunk, narrowed or refused. `self.config` becomes the settings chosen and
+        `self.given_up` says what changed."""
+        self.given_up: list[choices.Choice] = []
         device = self.config.device_budget
         if device is None:
             return None
-        self.refuse_floor(device)
-        reach = self.plan.chunks[-1].start
-        self.acts = self.measured_graph(reach)
+        before = self.settings()
+        self.measured: dict[tuple, Activations] = {}
+        steps = self.lossy_steps()
+        taken = self.take_for_floor(device, steps)
+        est, least = self.search(device, steps[taken:])
+        budget.admit(least, device, budget.what_fits(self.layout, self.config.cache_type))
+        self.given_up = self.changes(before)
+        self.refuse_lossy()
+        return est
+
+    def settings(self) -> dict[str, object]:
+        """The settings the admission may change, as a Choice names them."""
+        return {
+            "chunk": self.config.chunk,
+            "checkpoint stride": self.make_plan(self.config.host_budget).stride,
+            "kept inputs": self.keep_mode(),
+            "head products": self.head_mode(),
+            "accumulators": self.config.accumulator_dtype,
+            "K/V store": self.config.cache_type,
+        }
+
+    def changes(self, before: dict[str, object]) -> list[choices.Choice]:
+        """What the admission changed; the stride against the one the chosen chunk would have
+        without the budget (a smaller chunk alone has more chunks, not a longer stride)."""
+        after = {
+            "chunk": self.config.chunk,
+            "checkpoint stride": self.plan.stride,
+            "kept inputs": self.keep,
+            "head products": self.head_products,
+            "accumulators": self.config.accumulator_dtype,
+            "K/V store": self.config.cache_type,
+        }
+        before = {**before, "checkpoint stride": self.make_plan(self.config.host_budget).stride}
+        return [choices.Choice(k, before[k], v) for k, v in after.items() if before[k] != v]
+
+    def lossy_steps(self) -> list[tuple[str, str]]:
+        """The lossy choices this walk may take: where "auto" was asked, in LOSSY_STEPS' order
+        (q8 only where the model's head dims allow it)."""
+        q8 = q8_fits(self.layout.head_dims)
+        return [
+            (name, value)
+            for name, value in LOSSY_STEPS
+            if getattr(self.asked, name) == "auto"
+            and getattr(self.config, name) != value
+            and (name != "cache_type" or q8)
+        ]
+
+    def take(self, step: tuple[str, str]) -> None:
+        name, value = step
+        self.config = replace(self.config, **{name: value})
+
+    def take_for_floor(self, device: int, steps: list[tuple[str, str]]) -> int:
+        """What the walk holds before any graph (the weights, the adapter, the store, the
+        accumulators, the checkpoints unless a longer stride can shrink them, kept inputs unless
+        auto can give them up) against the budget, without measuring a chunk's graph: the lossy
+        choices it needs taken, in order; refused at once where even all of them fall short.
+        Returns how many were taken."""
+        taken = 0
+        while self.floor().total > device and taken < len(steps):
+            self.take(steps[taken])
+            taken += 1
+        budget.admit(self.floor(), device, budget.what_fits(self.layout, self.config.cache_type))
+        self.refuse_lossy()
+        return taken
+
+    def floor(self) -> budget.Estimate:
+        self.plan = self.make_plan(self.config.host_budget)
+        self.acts = Activations(self.config.chunk, 0.0, 0.0)
         est = self.measure(self.plan)
+        if self.layout.recurrent and self.config.host_budget is None:
+            est = replace(est, checkpoints=0)
+        if self.config.keep_inputs == "auto":
+            est = replace(est, inputs=0)
+        return est
+
+    def search(self, device: int, steps: list[tuple[str, str]]):
+        """(estimate, estimate at one chunk of taps): at the asked chunk with the head's copy
+        given up if it does not fit, then for no lossy choice and for each in turn the largest
+        chunk down to the floor that fits at the full horizon; where none does, the smallest
+        chunk with every choice (its late chunks narrowed, or refused)."""
+        asked = self.config.chunk
+        est, least = self.settled_at(asked, device, probe_it=True)
         auto_head = self.config.head_products == "auto" and self.head_products == "dequantized"
         if auto_head and est.total > device:
             # auto: the head's dequantized copy is the first thing given up (its gain is the
             # smallest: 1 s of the 8B-shaped window's 20, docs/BENCHMARKS.md)
             self.head_products = "quantized"
-            self.acts = self.measured_graph(reach)
-            est = self.measure(self.plan)
+            est, least = self.settled_at(asked, device, probe_it=True)
+        for taken in range(len(steps) + 1):
+            if taken:
+                self.take(steps[taken - 1])
+            found = self.largest_fitting(asked, device)
+            if found is not None:
+                return found
+        return self.settled_at(choices.chunk_floor(self.asked), device, probe_it=True)
+
+    def largest_fitting(self, asked: int, device: int):
+        """The largest chunk from `asked`, halving down to the floor, whose walk fits at the
+        full horizon: estimated from the nearest graph measured, then confirmed by a probe at
+        it (the search goes on from that measurement where it does not); None where none fits."""
+        least_chunk, chunk = choices.chunk_floor(self.asked), asked
+        while True:
+            est, least = self.settled_at(chunk, device, probe_it=False)
+            if est.total <= device:
+                est, least = self.settled_at(chunk, device, probe_it=True)
+                if est.total <= device:
+                    return est, least
+            if chunk // 2 < least_chunk:
+                return None
+            chunk //= 2
+
+    def settled_at(self, chunk: int, device: int, probe_it: bool):
+        """The walk at `chunk`: its graph measured (`probe_it`, or where measured before) or
+        estimated from the nearest measured one, then its exact measures settled."""
+        self.config = replace(self.config, chunk=chunk)
+        self.plan = self.make_plan(self.config.host_budget)
+        self.acts = self.graph_at(self.plan.chunks[-1].start, probe_it)
+        return self.settle(device)
+
+    def graph_at(self, reach: int, probe_it: bool) -> Activations:
+        """One chunk's graph at this walk's settings: measured before, or measured now
+        (`probe_it`), or scaled from the one measured at the nearest chunk (the same store's
+        where there is one)."""
+        key = (self.config.chunk, self.config.cache_type, self.head_products)
+        if key in self.measured:
+            return self.measured[key]
+        known = [(k, a) for k, a in self.measured.items() if k[2] == self.head_products]
+        if probe_it or not known:
+            self.measured[key] = self.measured_graph(reach)
+            return self.measured[key]
+        chunk = self.config.chunk
+        same = [(k, a) for k, a in known if k[1] == self.config.cache_type] or known
+        _, nearest = min(same, key=lambda ka: (abs(ka[0][0] - chunk), -ka[0][0]))
+        return nearest.at(chunk)
+
+    def settle(self, device: int) -> tuple[budget.Estimate, budget.Estimate]:
+        """The exact measures at this chunk, store and accumulators: a longer checkpoint stride
+        where the checkpoints would not fit (room for the full horizon's graph, else for one
+        chunk of taps), unless a host budget sizes them; then, with auto, every layer's kept
+        inputs, else the stem's output alone, else none."""
+        self.keep = self.keep_mode()
+        est = self.measure(self.plan)
         last = self.plan.chunks[-1]
         one_chunk = min(self.plan.chunk, last.start - last.grad_from)  # the fewest taps there are
-        least = replace(est, graph=self.graph_bytes(one_chunk, self.plan.chunks[-1].start))
-        if least.total > device and self.layout.recurrent and self.config.host_budget is None:
-            room = device - (least.total - least.host)
-            try:  # fewer checkpoints, each re-decoded from the one before it in the reverse pass
-                plan = self.make_plan(max(room, 0))
-            except OutOfMemory:
-                plan = None
-            if plan is not None:
-                self.plan, est = plan, self.measure(plan)
-                least = replace(est, graph=least.graph)
-        # auto: every layer's inputs where they fit with the rest, else the stem's output alone
+        least_graph = self.graph_bytes(one_chunk, last.start)
+        if est.total > device and self.layout.recurrent and self.config.host_budget is None:
+            for graph in (est.graph, least_graph):
+                room = device - (est.total - est.host - est.graph + graph)
+                try:  # fewer checkpoints, each re-decoded from the one before it in reverse
+                    self.plan = self.make_plan(max(room, 0))
+                except OutOfMemory:
+                    continue
+                est = self.measure(self.plan)
+                break
         fallbacks = ["stem", "off"] if self.stem else ["off"]
         while self.config.keep_inputs == "auto" and self.keep != "off" and est.total > device:
             self.keep = fallbacks.pop(0)
             est = self.measure(self.plan)
-            least = replace(est, graph=least.graph)
-        budget.admit(least, device, budget.what_fits(self.layout, self.config.cache_type))
-        return est
+        return est, replace(est, graph=least_graph)
+
+    def refuse_lossy(self) -> None:
+        """--strict-exact: a walk that fits only with lossy choices is refused, naming them."""
+        lossy = [
+            LOSSY_SAID[name]
+            for name, value in LOSSY_STEPS
+            if getattr(self.asked, name) == "auto" and getattr(self.config, name) == value
+        ]
+        if self.config.strict_exact and lossy:
+            raise OutOfMemory(
+                f"the memory budget of {self.config.device_budget / MIB:,.0f} MiB fits this "
+                f"window only with {' and '.join(lossy)}, and --strict-exact refuses a gradient "
+                f"that is not exact: {self.remedies}"
+            )
 
     def measured_graph(self, reach: int) -> Activations:
         """One chunk's graph at this walk's settings: from `graphs` where given, else probed over
@@ -142,16 +292,6 @@ class Admission:
         them."""
         head = "auto" if self.head_products == "as is" else self.head_products
         return replace(self.config, head_products=head)
-
-    def refuse_floor(self, device: int) -> None:
-        """A budget below what the walk holds before any graph (the weights, the adapter, the
-        store, the accumulators, and the checkpoints unless a longer stride can shrink them) is
-        refused at once, without measuring a chunk's graph."""
-        self.acts = Activations(self.config.chunk, 0.0, 0.0)
-        floor = self.measure(self.plan)
-        if self.layout.recurrent and self.config.host_budget is None:
-            floor = replace(floor, checkpoints=0)
-        budget.admit(floor, device, budget.what_fits(self.layout, self.config.cache_type))
 
     def measure(self, plan) -> budget.Estimate:
         """The estimate for `plan`, with whatever else MLX holds now beyond the model's weights and

@@ -19,6 +19,7 @@ from .window import Window  # noqa: F401  (re-exported)
 WALKS = ("exact", "plain", "one-graph")
 ATTENTIONS = ("auto", "tiled", "fused")
 KEEP_INPUTS = ("auto", "on", "stem", "off")
+OPTIONAL = ("decode_run", "min_chunk")  # integers that may be None
 DECODE_RUN = 8192  # positions (the 8B-shaped decode at 65,536: 5.7 -> 4.5 s on the H200)
 
 
@@ -26,14 +27,21 @@ DECODE_RUN = 8192  # positions (the 8B-shaped decode at 65,536: 5.7 -> 4.5 s on 
 class WalkConfig:
     chunk: int
     horizon: int = 0  # 0 = the whole window
-    cache_type: str = "float32"
+    # the K/V store: float32, float16, bfloat16 or q8; auto: the model's K/V precision where that
+    # is float16 or bfloat16, else float32 (lossless), 8-bit only where a memory budget needs it
+    cache_type: str = "auto"
     recompute: bool = False  # activation checkpointing inside each chunk's graph
     host_budget_mib: float | None = None
     memory_budget_mib: float | None = None  # all MLX holds while a window trains (budget.py)
     seed: int | None = None  # seeds dropout per chunk, identically in the decode and the graph
     # chunks never cross a change of weight (plan.cut); off, as both front ends train, by default
     follow_runs: bool = False
-    accumulator_dtype: str = "float32"
+    # the K/V gradient accumulators: float32 or bfloat16; auto: float32, bfloat16 only where a
+    # memory budget needs it
+    accumulator_dtype: str = "auto"
+    # the smallest chunk a memory budget may halve `chunk` to (None: choices.MIN_CHUNK); equal to
+    # `chunk`, the chunk is held
+    min_chunk: int | None = None
     attention: str = "auto"  # "tiled" (chunk_attention), "fused" (mlx-lm's); auto: ops.attention
     strict_exact: bool = False  # refuse a window the memory budget would narrow the horizon of
     # with recompute: each layer's input, kept from the decode, replaces the recorded forward of
@@ -61,9 +69,9 @@ class WalkConfig:
         return cls(**{**given, **overrides})
 
     def check(self) -> WalkConfig:
-        for name in ("chunk", "horizon", "decode_run"):
+        for name in ("chunk", "horizon", "decode_run", "min_chunk"):
             value = getattr(self, name)
-            if not (value is None and name == "decode_run") and not _integer(value):
+            if not (value is None and name in OPTIONAL) and not _integer(value):
                 raise ConfigError(f"{name} must be an integer, got {value!r}")
         for name in ("host_budget_mib", "memory_budget_mib"):
             value = getattr(self, name)
@@ -71,6 +79,8 @@ class WalkConfig:
                 raise ConfigError(f"{name} must be a positive, finite number, got {value!r}")
         if self.chunk < 1:
             raise ConfigError(f"chunk must be at least 1, got {self.chunk}")
+        if self.min_chunk is not None and self.min_chunk < 1:
+            raise ConfigError(f"min chunk must be at least 1, got {self.min_chunk}")
         if self.horizon < 0:
             raise ConfigError(
                 f"horizon must be 0 (the whole window) or positive, got {self.horizon}"
@@ -81,7 +91,7 @@ class WalkConfig:
             ("keep-inputs", self.keep_inputs, KEEP_INPUTS),
             ("products", self.products, PRODUCTS),
             ("head products", self.head_products, HEAD_PRODUCTS),
-            ("accumulator dtype", self.accumulator_dtype, ACCUMULATOR_DTYPES),
+            ("accumulator dtype", self.accumulator_dtype, ("auto", *ACCUMULATOR_DTYPES)),
         )
         for what, value, known in choices:
             if value not in known:

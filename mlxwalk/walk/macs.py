@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from ..plan import MIB, OutOfMemory, plan_window
-from . import arch, machine
+from . import arch, choices, machine
 from .admission import Graphs
 from .config import WalkConfig
 from .exact import ExactWalk
@@ -41,8 +41,11 @@ class Admissions:
     `window`'s reach, one chunk's graph measured once (on the first admission that needs it)."""
 
     def __init__(self, model, config: WalkConfig, window: int, echo=None):
-        self.model, self.config = model, config
+        self.model = model
         self.layout = arch.inspect(model)
+        # what trains exactly at the asked chunk: "auto" as its lossless choice, the chunk held
+        kv = choices.dtype_name(self.layout.dtype)
+        self.config = replace(choices.lossless(config, kv), min_chunk=config.chunk)
         labels = Window.labelled(window).labels
         reach = plan_window(labels, config.chunk, self.layout.footprint()).chunks[-1].start
         self.graphs = Graphs(reach, echo=echo)

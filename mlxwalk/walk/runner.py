@@ -15,7 +15,7 @@ from ..ops.attention import Prefix, tiled_attention
 from ..ops.delta import fast_recurrence
 from ..ops.products import dequantized_products
 from ..plan import Chunk
-from . import arch, layerwise
+from . import arch, choices, layerwise
 from .accum import Accumulators
 from .config import WalkConfig
 from .guards import check_ids
@@ -70,10 +70,11 @@ class ChunkRunner:
     def __init__(self, model: nn.Module, window: Window, config: WalkConfig, layout=None):
         self.model = model
         self.window = window
-        self.config = config.check()
+        self.asked = config.check()  # as given: "auto" marks what a memory budget may change
         self.layout = layout or arch.inspect(model)
         check_ids(window, self.layout.vocab)
-        check_cache_type(self.config.cache_type, self.layout.head_dims)
+        check_cache_type(self.asked.cache_type, self.layout.head_dims)
+        self.config = choices.lossless(self.asked, choices.dtype_name(self.layout.dtype))
         self.head = arch.head(model)
         self.stem = arch.stem(model)  # the frozen layers the reverse pass never differentiates
         self.layers: Layers = layers_of(model, self.config.recompute, self.stem)

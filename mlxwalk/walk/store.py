@@ -31,6 +31,8 @@ class KVStore:
         self, shapes: list[tuple[int, int, int]], positions: int, cache_type: str, dtype: mx.Dtype
     ):
         self.cache_type = check_cache_type(cache_type)
+        if cache_type not in CACHE_TYPES:  # "auto" is resolved before any store (choices.py)
+            raise ValueError(f"a K/V store of {cache_type!r}: resolve it first")
         self.dtype = dtype  # the model's K/V dtype: 8-bit scales and biases are kept in it
         self.keys = [self._empty(h, positions, dk) for h, dk, _ in shapes]
         self.values = [self._empty(h, positions, dv) for h, _, dv in shapes]
