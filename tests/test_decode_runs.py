@@ -125,3 +125,24 @@ def test_layers_left_in_flight_give_the_gradient_bit_for_bit(qwen2, monkeypatch)
     flat = {k: v for k, v in tree_flatten(grads[True])}
     for k, v in tree_flatten(grads[False]):
         assert mx.array_equal(v, flat[k]).item(), k
+
+
+def test_under_a_memory_budget_the_decode_runs_chunk_by_chunk_where_it_would_run_long(
+    qwen2, monkeypatch
+):
+    """Where the decode would run DECODE_RUN positions at once (CUDA at half precision), a
+    memory budget holds it to one chunk: the estimate does not count a long run's own peak.
+    An explicit decode_run is kept."""
+    import mlx.core as mx
+
+    from mlxwalk.walk import exact
+
+    window = Window.of(IDS[:-1], IDS[1:], np.ones(N))
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)  # the fused decode's backend
+    budget = {"memory_budget_mib": 1 << 16}
+    cases = [({}, None, 4), (budget, None, 1), (budget, 128, 4), ({}, 64, 2)]
+    for extra, run, expected in cases:
+        walk = ExactWalk(qwen2, window, WalkConfig(chunk=32, decode_run=run, **extra))
+        walk.layout = replace(walk.layout, dtype=mx.bfloat16)  # the half-precision model's
+        monkeypatch.setattr(exact, "DECODE_RUN", 128)
+        assert walk.run_chunks() == expected, (extra, run)

@@ -58,7 +58,8 @@ class WalkConfig:
     # positions the exact walk's decode runs through the model at once, in whole chunks (at least
     # one): larger products for the same store and states. None: DECODE_RUN on CUDA at half
     # precision, where the decode evaluates a layer at a time and attention is fused (a run's
-    # graph is one layer's at the run's width), else one chunk at a time
+    # graph is one layer's at the run's width), else one chunk at a time; under a memory budget
+    # one chunk at a time everywhere (the estimate does not count a long run's own peak)
     decode_run: int | None = None
 
     @classmethod

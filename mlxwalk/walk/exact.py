@@ -110,6 +110,11 @@ class ExactWalk(ChunkRunner, admission.Admission, ExactAlgorithm):
         """Whole chunks in `config.decode_run` positions (see WalkConfig); one with dropout,
         whose masks are drawn per chunk."""
         run = self.config.decode_run
+        if run is None and self.estimate is not None:
+            # Under a memory budget the decode's own peak is not in the estimate: the 27B-shaped
+            # window's runs of 8,192 positions peaked at 35.57 GiB under 32 on an H100 (one
+            # chunk at a time: 24.56 GiB, 2 s of 57 slower; docs/BENCHMARKS.md)
+            run = 0
         if run is None:  # where attention is fused: CUDA at half precision (cuDNN)
             fused = mx.cuda.is_available() and self.layout.dtype in (mx.float16, mx.bfloat16)
             run = DECODE_RUN if fused else 0
