@@ -25,9 +25,15 @@ from . import nvrtc
 
 NAME = "mlxwalk"
 ROUTE_NAMES = ("sdpa-flash", "sdpa", "kernels")
-# (head dim, dtype) -> route, for CUDA half-precision inputs. The kernels are routed nowhere until
-# scripts/h200-torch-attention.py has measured them against FlashAttention's op.
-ROUTES: dict[tuple[int, str], str] = {}
+# (head dim, dtype) -> route, for CUDA half-precision inputs, by scripts/h200-torch-attention.py
+# (H100, bf16, one call; docs/BENCHMARKS.md): FlashAttention's op is the fastest at S = 16K and
+# 64K at both head dims and both head shapes (d 256, 27B heads, 64K: 80 ms against the kernels'
+# 105 and cuDNN's 104); the kernels hold half its memory (1.0 against 2.0 GiB there) but are
+# 1.3-1.5x slower, so they are routed nowhere by time (MLXWALK_KERNELS=on sends them).
+ROUTES: dict[tuple[int, str], str] = {
+    (256, "bfloat16"): "sdpa-flash",
+    (128, "bfloat16"): "sdpa-flash",
+}
 
 
 def walk_attention(
