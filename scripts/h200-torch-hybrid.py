@@ -22,8 +22,10 @@ then, on the GPU (carry .tinyhome):
     MLXWALK_HOME=$PWD/.tinyhome PYTHONPATH=$PWD python3 scripts/h200-torch-hybrid.py
 The walk refuses a transformers outside the torch extra's range (an older one swallows its
 cache): on a machine without a registry, carry the extra's own transformers, peft,
-huggingface_hub, tokenizers, httpx2, httpcore2, kernels and accelerate (their site-packages
-folders, about 9 MiB as .tar.xz) and put them first on PYTHONPATH. Only the -transformers folders
+huggingface_hub, tokenizers, httpx2, httpcore2, truststore, anyio, h11, idna and accelerate
+(their site-packages folders with their .dist-info, about 9 MiB as .tar.xz) and put them first
+on PYTHONPATH; leave out `kernels` (its compiled part is for one Python version; transformers
+runs without it). Only the -transformers folders
 of the hybrids are read there: the MLX ones' weights may be left out (an empty
 model.safetensors keeps the folder found).
 Prints the tables last; the log goes to $OUT when set. `--small` checks the script on a CPU.
