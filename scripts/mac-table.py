@@ -58,9 +58,10 @@ PROBES: dict[str, dict] = {
 def config(budget_mib: float | None = None) -> WalkConfig:
     """The settings of the 27B run in docs/BENCHMARKS.md: chunk 2,048, recompute, the stem's output
     kept, a bf16 store; the head's quantized products (what admission falls back to under a
-    tight budget), refusing any window whose horizon the budget would narrow."""
+    tight budget), refusing any window whose horizon the budget would narrow; the chunk held."""
     return WalkConfig(
         chunk=CHUNK,
+        min_chunk=CHUNK,
         recompute=True,
         keep_inputs="stem",
         cache_type="bfloat16",

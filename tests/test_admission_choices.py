@@ -189,3 +189,42 @@ def test_the_chosen_walk_runs_within_its_budget_and_a_smaller_chunk_stays_exact(
             del reference
         del w, loss, grads  # the next budget's admission counts what is still alive
         mx.clear_cache()
+
+
+def test_mlxwalk_plan_shows_what_the_budget_gave_up(measured, probes, tiers):
+    from mlxwalk.commands.plan import report
+
+    t, said = tiers, []
+    budget = (t[("bf16", 128)] + t["q8"]) / 2 / MIB
+    config = WalkConfig(chunk=CHUNK, min_chunk=FLOOR, memory_budget_mib=budget)
+    assert report(measured["qwen2"], "tiny-qwen2", N, config, said.append)
+    text = "\n".join(said)
+    assert "to fit the memory budget:\n" in text and "verdict: fits" in text
+    assert "K/V store q8 (not float32): lossy" in text
+    assert "accumulators bfloat16 (not float32): lossy" in text
+
+
+def test_the_run_says_and_records_what_its_largest_window_gave_up():
+    from mlxwalk.training.framework import Admission
+
+    given = [choices.Choice("chunk", 2048, 1024), choices.Choice("K/V store", "bfloat16", "q8")]
+    admitted = Admission(None, 0, 1, 1, given)
+    assert admitted.lines() == [
+        "to fit the memory budget:",
+        "  chunk 1024 (not 2048): exact; more, smaller chunks take longer",
+        "  K/V store q8 (not bfloat16): lossy: the prefix is read back at 8 bits "
+        "(test-walk-exact row 1b)",
+    ]
+    assert [c.as_dict()["lossy"] for c in given] == [False, True]
+
+
+def test_the_drop_in_says_each_change_once(capsys):
+    from mlxwalk.training.mlx_framework import MLXFramework
+
+    fw = MLXFramework.__new__(MLXFramework)  # its mechanics only: no model here
+    fw.echo_choices = print
+    fw.tell([choices.Choice("chunk", 512, 256)])
+    fw.tell([choices.Choice("chunk", 512, 256), choices.Choice("accumulators", "x", "bfloat16")])
+    out = capsys.readouterr().out
+    assert out.count("chunk 256 (not 512)") == 1 and out.count("accumulators bfloat16") == 1
+    assert out.count("to fit the memory budget:") == 2

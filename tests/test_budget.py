@@ -10,6 +10,10 @@ from mlxwalk.walk import ExactWalk, WalkConfig, Window, budget
 from mlxwalk.walk import probe as probes
 from mlxwalk.walk.exact import probe
 
+# lossless and held, so that a budget short of the full horizon narrows it (the admission's
+# lossy choices: tests/test_admission_choices.py)
+HELD = dict(cache_type="float32", accumulator_dtype="float32")
+
 
 def window(n, seed=0):
     ids = np.random.default_rng(seed).integers(0, 256, n + 1)
@@ -47,7 +51,7 @@ def budgets(model, n, chunk):
 def test_a_budget_short_of_the_full_horizon_narrows_it_per_chunk_and_not_beyond(measured, caplog):
     qwen2 = measured["qwen2"]
     least, full = budgets(qwen2, 2048, 256)
-    config = WalkConfig(chunk=256, memory_budget_mib=(least + full) / 2 / MIB)
+    config = WalkConfig(chunk=256, memory_budget_mib=(least + full) / 2 / MIB, **HELD)
     walk = ExactWalk(qwen2, window(2048), config)
     with caplog.at_level(logging.INFO, logger="mlxwalk"):
         loss, grads = walk.run()
@@ -63,7 +67,9 @@ def test_a_budget_short_of_the_full_horizon_narrows_it_per_chunk_and_not_beyond(
 def test_strict_exact_refuses_what_the_budget_would_narrow(measured):
     qwen2 = measured["qwen2"]
     least, full = budgets(qwen2, 2048, 256)
-    config = WalkConfig(chunk=256, memory_budget_mib=(least + full) / 2 / MIB, strict_exact=True)
+    config = WalkConfig(
+        chunk=256, memory_budget_mib=(least + full) / 2 / MIB, strict_exact=True, **HELD
+    )
     with pytest.raises(OutOfMemory, match="only with its horizon narrowed .* --strict-exact"):
         ExactWalk(qwen2, window(2048), config)
     roomy = WalkConfig(chunk=256, memory_budget_mib=full * 1.2 / MIB, strict_exact=True)
@@ -90,7 +96,8 @@ def test_a_budget_below_one_chunk_of_taps_is_refused_before_the_walk(measured):
     qwen2 = measured["qwen2"]
     least, _ = budgets(qwen2, 2048, 256)
     with pytest.raises(OutOfMemory, match="device memory") as e:
-        ExactWalk(qwen2, window(2048), WalkConfig(chunk=256, memory_budget_mib=least / 2 / MIB))
+        config = WalkConfig(chunk=256, memory_budget_mib=least / 2 / MIB, **HELD)
+        ExactWalk(qwen2, window(2048), config)
     assert "budget is" in str(e.value) and "q8" in str(e.value)
 
 

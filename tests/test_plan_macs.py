@@ -31,7 +31,9 @@ def model():
 
 @pytest.fixture(scope="module")
 def config():
-    return WalkConfig(chunk=CHUNK).check()
+    """As the survey admits (macs.Admissions): lossless, the chunk held."""
+    held = dict(cache_type="float32", accumulator_dtype="float32", min_chunk=CHUNK)
+    return WalkConfig(chunk=CHUNK, **held).check()
 
 
 @pytest.fixture(scope="module")

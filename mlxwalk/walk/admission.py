@@ -17,7 +17,7 @@ import numpy as np
 
 from ..ops.products import head_swapped
 from ..plan import MIB, OutOfMemory, Plan, plan_window, q8_fits
-from . import budget, choices
+from . import arch, budget, choices
 from . import probe as probes
 from .accum import ACCUMULATOR_DTYPES
 from .activations import Activations, graph_bytes
@@ -51,11 +51,16 @@ class Graphs:
     admissions reads; a longer one is extrapolated from it, as every estimate is), or given."""
 
     reach: int
-    measured: dict[tuple, Activations] = field(default_factory=dict)  # (head, chunk, store)
+    # (head products, chunk, store) -> graph; a graph given under its head products alone
+    # serves every store, and other chunks scaled from it (Activations.at)
+    measured: dict[tuple | str, Activations] = field(default_factory=dict)
     echo: Callable[[str], None] | None = None  # hears each of the probe's walks
 
     def of(self, walk: type, model, config: WalkConfig) -> Activations:
-        key = (config.head_products, config.chunk, config.cache_type)
+        head = config.head_products
+        if head in self.measured:
+            return self.measured[head].at(config.chunk)
+        key = (head, config.chunk, config.cache_type)
         if key not in self.measured:
             self.measured[key] = probe(walk, model, config, self.reach, self.echo)
         return self.measured[key]
@@ -328,7 +333,9 @@ def probe(
 ) -> Activations:
     """One chunk's graph on this model (probe.py), measured by exact walks of its own (`walk`,
     the exact walk's class) with the run's settings that shape a chunk's graph (PROBED) and its
-    kept inputs, over at most `reach` positions of prefix (None: as far as the probe goes)."""
+    kept inputs, over at most `reach` positions of prefix (None: as far as the probe goes). An
+    "auto" store is measured as the walk resolves it, so both share one cached probe."""
+    config = choices.lossless(config, choices.dtype_name(arch.inspect(model).dtype))
     shaping = {name: getattr(config, name) for name in PROBED}
     base = WalkConfig(**shaping, keep_inputs=probes.kept_for(config))
 
