@@ -88,6 +88,10 @@ def one(model, optimizer, window: Window, config: WalkConfig, profile: bool = Fa
         "horizon_used": walk.horizon_used,
         "stride": walk.plan.stride,
         "head_used": walk.head_products,
+        "chunk_used": walk.config.chunk,
+        "cache_used": walk.config.cache_type,
+        "accumulators_used": walk.config.accumulator_dtype,
+        "given_up": [c.said() for c in walk.given_up],
         "keep_used": walk.keep,
         "seconds": round(seconds, 1),
         "tok_s": round(len(window) / seconds),
@@ -201,7 +205,10 @@ def main() -> None:
     p.add_argument("--window", type=int, default=67584)
     p.add_argument("--chunk", type=int, default=2048)
     p.add_argument("--recompute", action="store_true")
-    p.add_argument("--cache-type", default="bfloat16")
+    p.add_argument("--cache-type", default="auto")
+    p.add_argument(
+        "--accumulator-dtype", default="auto", help="K/V gradient accumulators (WalkConfig)"
+    )
     p.add_argument("--budgets-gib", type=float, nargs="+", default=[31.0])
     p.add_argument(
         "--attention",
@@ -297,6 +304,7 @@ def main() -> None:
         config = WalkConfig(
             chunk=a.chunk,
             cache_type=a.cache_type,
+            accumulator_dtype=a.accumulator_dtype,
             recompute=a.recompute,
             memory_budget_mib=gib * 1024 if gib else None,
             attention=attention,
@@ -330,9 +338,12 @@ def main() -> None:
             print(
                 f"  the window's step (the walk and the update, no probe): {r['walk_seconds']} s, "
                 f"{round(a.window / r['walk_seconds'])} tokens/s; head {r['head_used']}, inputs "
-                f"kept {r['keep_used']}",
+                f"kept {r['keep_used']}; chunk {r['chunk_used']}, store {r['cache_used']}, "
+                f"accumulators {r['accumulators_used']}",
                 flush=True,
             )
+            for said in r["given_up"]:
+                print(f"  given up: {said}", flush=True)
             print(
                 f"  estimate at the horizon used: {r['estimate_used_gib']} GiB; parts "
                 f"{r['parts_gib']}\n  peaks by phase (GiB): {r['phases_gib']}\n  seconds by "
