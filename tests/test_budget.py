@@ -152,3 +152,29 @@ def test_a_probe_out_of_device_memory_is_a_refusal_not_a_crash(qwen2, monkeypatc
     else:
         with pytest.raises(RuntimeError, match="matmul"):
             ExactWalk(qwen2, window(1024), config)
+
+
+@pytest.mark.parametrize("model", ["qwen2", "hybrid"])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_the_probe_walk_decodes_nothing_and_measures_the_graph_a_decoding_walk_holds(
+    measured, model, recompute
+):
+    """The probe's walk (`filled`) allocates the store and trains the last chunk without
+    decoding the prefix: its graph (peak less what the walk holds) is the decoding walk's."""
+    model = measured[model]
+    config = WalkConfig(chunk=512, recompute=recompute, keep_inputs="stem" if recompute else "off")
+    graph, decoded = {}, {}
+    for filled in (False, True):
+        run = ExactWalk(model, window(3072), config)
+        run.filled = filled
+        decoded[filled] = 0
+        decode = run.decode
+
+        def counted(*args, decode=decode, filled=filled, **kw):
+            decoded[filled] += 1
+            return decode(*args, **kw)
+
+        run.decode = counted
+        graph[filled] = budget.live_peak(lambda run=run: run.run(chunks=1)) - run.held()
+    assert decoded[True] == 0 and decoded[False] >= 5, decoded
+    assert abs(graph[True] / graph[False] - 1) <= 0.05, (graph[True] / MIB, graph[False] / MIB)

@@ -1,11 +1,11 @@
-"""An exact walk's admission under its memory budget, settled before any array of the window:
-what it gives up to fit, exact measures first (the head's dequantized copy, a longer checkpoint
-stride, kept inputs, a smaller chunk), then lossy ones where "auto" allows them (bfloat16
-accumulators, an 8-bit K/V store), then a narrowed horizon or the refusal (budget.py) where even
-one chunk of taps would not fit. What the walk holds before any graph is checked first, without
-measuring a chunk's graph (the probe, probe.py, decodes a window of its own). `Admission` is the
-MLX exact walk's (walk/exact.py), on its model, layout and config; `Graphs` one chunk's graph
-measured once and handed to many admissions of one model."""
+"""An exact walk's admission under its memory budget, settled before any array of the window: what
+it gives up to fit, exact measures first (the head's dequantized copy, a longer checkpoint stride,
+kept inputs, a smaller chunk), then lossy ones where "auto" allows them (bfloat16 accumulators, an
+8-bit K/V store), then a narrowed horizon or the refusal (budget.py) where even one chunk of taps
+would not fit. What the walk holds before any graph is checked first, without measuring a chunk's
+graph (the probe, probe.py, trains the last chunk of a window of its own). `Admission` is the MLX
+exact walk's (walk/exact.py), on its model, layout and config; `Graphs` one chunk's graph measured
+once and handed to many admissions of one model."""
 
 from __future__ import annotations
 
@@ -313,7 +313,8 @@ class Admission:
 
     def held(self) -> int:
         """What this walk holds besides a chunk's graph: its store, accumulators, checkpoints and
-        kept inputs (the probe subtracts them from its walks' peaks)."""
+        kept inputs (the probe subtracts them from its walks' peaks). A filled walk (the probe's)
+        holds its store, accumulators and one entry state."""
         est = budget.estimate(
             self.model,
             self.layout,
@@ -321,6 +322,9 @@ class Admission:
             self.plan,
             self.config.cache_type,
         )
+        if self.filled:
+            entry = sum(a.nbytes for layer in self.zero_state() or [] for a in layer)
+            return est.store + est.accumulators + entry
         inputs = self.inputs_bytes(self.plan)
         return est.store + est.accumulators + est.checkpoints + inputs
 
@@ -342,6 +346,7 @@ def probe(
     def peak(ids: np.ndarray, n: int, horizon: int) -> int:
         window = Window.of(ids[:n], ids[1 : n + 1], np.ones(n))
         run = walk(model, window, replace(base, horizon=horizon))
+        run.filled = True  # a chunk's graph depends on its prefix's length, not its values
         return budget.live_peak(lambda: run.run(chunks=1)) - run.held()
 
     reach = probes.prefix_for(config.chunk, 1 << 62) if reach is None else reach

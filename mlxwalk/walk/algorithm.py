@@ -94,6 +94,11 @@ class ExactAlgorithm(WalkAlgorithm):
     budget_mib: float | None = None
     remedies: str = "raise --memory-budget-mib, or give a smaller --chunk"
     checkpoints: dict
+    # The memory probe's walk: the decode only allocates the store it would fill, each entry
+    # state is zero. A chunk's graph depends on its prefix's length, not its values, and a whole
+    # window's decode per probe walk cost minutes on CUDA, where the probe reads the run's whole
+    # prefix (walk/probe.py).
+    filled: bool = False
 
     # --- the phases ------------------------------------------------------------------------
 
@@ -108,6 +113,8 @@ class ExactAlgorithm(WalkAlgorithm):
     def decode_forward(self) -> None:
         self.new_store(self.plan.computed)
         self.checkpoints = {}
+        if self.filled:
+            return
         state = self.zero_state()
         chunks = self.plan.chunks
         last = chunks[-1]  # no later chunk reads its K/V or state: not decoded
@@ -148,7 +155,7 @@ class ExactAlgorithm(WalkAlgorithm):
     def entry_state(self, chunk: Chunk):
         """The state entering `chunk`: its checkpoint, or decoded forward from the nearest one
         (without writing the store)."""
-        if not self.recurrent:
+        if not self.recurrent or self.filled:
             return self.zero_state()
         first = chunk.index - chunk.index % self.plan.stride
         state = self.checkpoints[first] if first > 0 else self.zero_state()

@@ -1,14 +1,15 @@
-"""The memory probe: one chunk's graph measured on the model itself, at the run's chunk size,
-since it depends on every layer's implementation. Three walks: a window of one chunk, then one
-whose last chunk reads a prefix two attention tiles long (or as long as the run's longest, if
-shorter), tapped whole and over one chunk only; their peaks give the graph with no prefix and what
-each prefix position adds, tapped or not. A run whose chunks read no prefix takes the first walk
-only. Each walk decodes its window and trains its last chunk only, the one that holds its largest
-graph. Run only under a memory budget (the exact walk's `admit`), cached per `probe_key`: a probe
-over a longer prefix serves every run that reads a shorter one. The walks take the run's store
-type and kept inputs (a float32 store under a bfloat16 model, for one, adds casts of the prefix to
-the graph that a bfloat16 store does not), and what they hold besides the graph is subtracted as
-the estimate counts it apart."""
+"""The memory probe: one chunk's graph measured on the model itself, at the run's chunk size, since
+it depends on every layer's implementation. Three walks: a window of one chunk, then one whose last
+chunk reads a prefix two attention tiles long (or as long as the run's longest, if shorter), tapped
+whole and over one chunk only; their peaks give the graph with no prefix and what each prefix
+position adds, tapped or not. A run whose chunks read no prefix takes the first walk only. Each walk
+trains its last chunk only, the one that holds its largest graph, over a store allocated but not
+decoded (`filled`, walk/algorithm.py): a prefix's length sizes the graph, not its values, so a probe
+costs three chunks' training, not two whole-window decodes. Run only under a memory budget (the
+exact walk's `admit`), cached per `probe_key`: a probe over a longer prefix serves every run that
+reads a shorter one. The walks take the run's store type and kept inputs (a float32 store under a
+bfloat16 model, for one, adds casts of the prefix to the graph that a bfloat16 store does not), and
+what they hold besides the graph is subtracted as the estimate counts it apart."""
 
 from __future__ import annotations
 
@@ -67,9 +68,8 @@ def prefix_for(chunk: int, reach: int, long: bool | None = None) -> int:
     from two tiles, peaked 50.45). Half the reach still under-read the 8B shape by 1.8-2.3 GiB
     (its chunks past 43K of prefix peak 2 GiB higher while what stays live between chunks is
     flat; which buffers is not measured); the whole reach reads it (estimate 23.40 GiB, peak
-    23.37), at one whole-window decode more per probe (docs/BENCHMARKS.md). Its walks then hold
-    about what the run does: where the run would not fit the device, the probe fails first, and
-    exact.probe refuses the window."""
+    23.37; docs/BENCHMARKS.md). Its walks then hold about what the run's last chunk does: where
+    that would not fit the device, the probe fails first, and exact.probe refuses the window."""
     long = mx.cuda.is_available() if long is None else long
     far = chunk * -(-2 * TILE // chunk)
     if long:
