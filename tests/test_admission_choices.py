@@ -228,3 +228,68 @@ def test_the_drop_in_says_each_change_once(capsys):
     out = capsys.readouterr().out
     assert out.count("chunk 256 (not 512)") == 1 and out.count("accumulators bfloat16") == 1
     assert out.count("to fit the memory budget:") == 2
+
+
+def hybrid_walk(model, budget_mib, **settings):
+    """The tiny hybrid at 4,096 positions in chunks of 256, recompute on, the chunk held."""
+    config = WalkConfig(chunk=256, min_chunk=256, recompute=True, memory_budget_mib=budget_mib)
+    for name, value in settings.items():
+        setattr(config, name, value)
+    return ExactWalk(model, window(4096), config)
+
+
+def budgets_between(model) -> list[float]:
+    full = hybrid_walk(model, 1e9, keep_inputs="on", **LOSSLESS).estimate.total / MIB
+    return list(np.linspace(0.6 * full, full, 25))
+
+
+LOSSLESS = dict(cache_type="float32", accumulator_dtype="float32")
+
+
+def test_auto_kept_inputs_take_the_fit_that_forwards_the_fewest_layers_again(measured, probes):
+    """Kept inputs against a longer checkpoint stride: of the kept inputs that fit (each at its
+    shortest stride), auto takes the one whose reverse pass forwards the fewest layers again,
+    not the first that fits: where every layer's kept input needs a long stride, none kept at
+    stride 1 is cheaper."""
+    m = measured["hybrid"]
+    chosen_over_first = 0
+    for b in budgets_between(m):
+        auto = hybrid_walk(m, b, keep_inputs="auto", **LOSSLESS)
+        if auto.estimate.total > b * MIB:
+            continue
+        fits = []
+        for keep in ("on", "off"):
+            try:
+                w = hybrid_walk(m, b, keep_inputs=keep, **LOSSLESS)
+            except OutOfMemory:  # its floor alone is past the budget
+                continue
+            if w.estimate.total <= b * MIB:
+                fits.append((w.forwards_again(), w.keep))
+        assert auto.forwards_again() == min(fits)[0], (b, auto.keep, fits)
+        chosen_over_first += auto.keep == "off" and ("all" in [k for _, k in fits])
+    assert chosen_over_first, "no budget where every layer's kept input fit, but at a cost"
+
+
+def test_an_exact_fit_past_the_affordable_forwards_gives_way_to_a_lossy_one(
+    measured, probes, monkeypatch
+):
+    """An exact fit that forwards more layers again than AFFORDABLE windows' decode takes the
+    lossy choices auto allows where they cut it (and says so); an affordable one stays exact."""
+    m = measured["hybrid"]
+    cut = 0
+    for b in budgets_between(m):
+        w = hybrid_walk(m, b, keep_inputs="auto")
+        monkeypatch.setattr(admission, "AFFORDABLE", 1e9)  # no limit: exact first, as before
+        first = hybrid_walk(m, b, keep_inputs="auto")
+        monkeypatch.setattr(admission, "AFFORDABLE", 2.0)
+        if first.estimate.total > b * MIB:
+            continue
+        exact = not any(c.lossy for c in first.given_up)
+        if exact and first.forwards_again() <= first.affordable():
+            assert w.given_up == first.given_up, b
+            continue
+        assert w.forwards_again() <= first.forwards_again(), b
+        if w.forwards_again() < first.forwards_again():
+            cut += 1
+            assert any(c.lossy for c in w.given_up), b
+    assert cut, "no budget where a lossy choice cut the forwards again"

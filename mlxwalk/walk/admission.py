@@ -38,6 +38,11 @@ PROBED = (
 # The lossy choices "auto" allows under a memory budget, in the order they are taken (the
 # accumulators first: they change no chunk's graph, so no probe measures again).
 LOSSY_STEPS = (("accumulator_dtype", "bfloat16"), ("cache_type", "q8"))
+# An exact fit that forwards more layers again than this many whole windows' decode (a long
+# checkpoint stride, the stem forwarded again) gives way to the lossy choices, the cheapest fit
+# kept where none is affordable: the 27B-shaped window under 21 GiB fitted exactly only at chunk
+# 256 with no checkpoint, 131 windows' decode again (docs/BENCHMARKS.md).
+AFFORDABLE = 2.0
 LOSSY_SAID = {"accumulator_dtype": "bfloat16 accumulators", "cache_type": "an 8-bit K/V store"}
 
 
@@ -199,13 +204,29 @@ class Admission:
             # smallest: 1 s of the 8B-shaped window's 20, docs/BENCHMARKS.md)
             self.head_products = "quantized"
             est, least = self.settled_at(asked, device, probe_it=True)
+        costly = []  # (layer forwards again, the walk as settled) that fit past AFFORDABLE
         for taken in range(len(steps) + 1):
             if taken:
                 self.take(steps[taken - 1])
             found = self.largest_fitting(asked, device)
-            if found is not None:
+            if found is None:
+                continue
+            if self.forwards_again() <= self.affordable():
                 return found
+            costly.append((self.forwards_again(), self.settled(), found))
+        if costly:  # none affordable: the cheapest
+            _, settled, found = min(costly, key=lambda c: c[0])
+            self.config, self.plan, self.keep, self.acts = settled
+            return found
         return self.settled_at(choices.chunk_floor(self.asked), device, probe_it=True)
+
+    def settled(self) -> tuple:
+        return self.config, self.plan, self.keep, self.acts
+
+    def affordable(self) -> int:
+        """The layer forwards again (`forwards_again`) an exact fit may cost before a lossy
+        choice is taken to cut them: AFFORDABLE whole windows' decode through every layer."""
+        return int(AFFORDABLE * len(self.layout.kinds) * len(self.plan.chunks))
 
     def largest_fitting(self, asked: int, device: int):
         """The largest chunk from `asked`, halving down to the floor, whose walk fits at the
@@ -247,17 +268,37 @@ class Admission:
         return nearest.at(chunk)
 
     def settle(self, device: int) -> tuple[budget.Estimate, budget.Estimate]:
-        """The exact measures at this chunk, store and accumulators: a longer checkpoint stride
-        where the checkpoints would not fit (room for the full horizon's graph, else for one
-        chunk of taps), unless a host budget sizes them; then, with auto, every layer's kept
-        inputs, else the stem's output alone, else none."""
-        self.keep = self.keep_mode()
-        est = self.measure(self.plan)
+        """The exact measures at this chunk, store and accumulators: for the kept inputs asked
+        (with auto: every layer's, the stem's output alone, none), the shortest checkpoint stride
+        that fits (room for the full horizon's graph, else for one chunk of taps), unless a host
+        budget sizes them; of those that fit, the one that forwards the fewest layers again
+        (`forwards_again`). Where none fits, the last."""
+        first = self.keep_mode()
+        rest = {"all": ["stem", "off"] if self.stem else ["off"], "stem": ["off"], "off": []}
+        options = [first] + (rest[first] if self.config.keep_inputs == "auto" else [])
+        tried = []
+        for keep in options:
+            self.keep = keep
+            est = self.strided(device)
+            tried.append((est.total <= device, self.forwards_again(), keep, self.plan, est))
+            if tried[-1][:2] == (True, 0):  # nothing forwarded again: nothing cheaper
+                break
+        fitting = [t for t in tried if t[0]]
+        _, _, self.keep, self.plan, est = min(fitting, key=lambda t: t[1]) if fitting else tried[-1]
+        return est, replace(est, graph=self.least_graph())
+
+    def least_graph(self) -> int:
+        """The last chunk's graph with one chunk of taps (the fewest there are)."""
         last = self.plan.chunks[-1]
-        one_chunk = min(self.plan.chunk, last.start - last.grad_from)  # the fewest taps there are
-        least_graph = self.graph_bytes(one_chunk, last.start)
+        return self.graph_bytes(min(self.plan.chunk, last.start - last.grad_from), last.start)
+
+    def strided(self, device: int) -> budget.Estimate:
+        """The estimate at the shortest checkpoint stride that fits beside the full horizon's
+        graph, else beside one chunk of taps (recurrent layers, no host budget)."""
+        self.plan = self.make_plan(self.config.host_budget)
+        est = self.measure(self.plan)
         if est.total > device and self.layout.recurrent and self.config.host_budget is None:
-            for graph in (est.graph, least_graph):
+            for graph in (est.graph, self.least_graph()):
                 room = device - (est.total - est.host - est.graph + graph)
                 try:  # fewer checkpoints, each re-decoded from the one before it in reverse
                     self.plan = self.make_plan(max(room, 0))
@@ -265,11 +306,21 @@ class Admission:
                     continue
                 est = self.measure(self.plan)
                 break
-        fallbacks = ["stem", "off"] if self.stem else ["off"]
-        while self.config.keep_inputs == "auto" and self.keep != "off" and est.total > device:
-            self.keep = fallbacks.pop(0)
-            est = self.measure(self.plan)
-        return est, replace(est, graph=least_graph)
+        return est
+
+    def forwards_again(self) -> int:
+        """Layer forwards over one chunk that the reverse pass runs beyond one graph per chunk:
+        each chunk's entry state re-decoded through every layer from the checkpoint before it
+        (the stride's cost, quadratic in it), and the forward that records a chunk's layer inputs
+        where they are not kept (the trained layers' with the stem's output kept, every layer's
+        with none). The 27B-shaped window at 21 GiB held the stem's output at
+        stride 66: 4,290 chunks re-decoded, 32 windows' decode (docs/BENCHMARKS.md)."""
+        layers = len(self.layout.kinds)
+        chunks = self.plan.reverse()
+        again = sum(c.index % self.plan.stride for c in chunks) * layers if self.recurrent else 0
+        if self.config.recompute and self.keep != "all":
+            again += len(chunks) * (layers - self.stem if self.keep == "stem" else layers)
+        return again
 
     def refuse_lossy(self) -> None:
         """--strict-exact: a walk that fits only with lossy choices is refused, naming them."""
