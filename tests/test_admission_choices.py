@@ -293,3 +293,17 @@ def test_an_exact_fit_past_the_affordable_forwards_gives_way_to_a_lossy_one(
             cut += 1
             assert any(c.lossy for c in w.given_up), b
     assert cut, "no budget where a lossy choice cut the forwards again"
+
+
+def test_plan_says_what_the_reverse_pass_forwards_again(measured, probes):
+    """`mlxwalk plan` counts the layers forwarded again: none kept, every chunk's layers run
+    forward once more (one window's decode); every input kept at stride 1, nothing said."""
+    from mlxwalk.commands.plan import report
+
+    m = measured["hybrid"]
+    for keep, said in (("off", "1.0 windows' decode more"), ("on", None)):
+        lines = []
+        config = WalkConfig(chunk=256, recompute=True, keep_inputs=keep, memory_budget_mib=1e9)
+        assert report(m, "tiny-qwen3_5", 4096, config, lines.append)
+        again = [x for x in lines if "forwards" in x]
+        assert again[0].endswith(said) if said else not again, lines
