@@ -48,8 +48,7 @@ def row(model, layout, window: int, gib: float, keep: str) -> str:
     except OutOfMemory as e:
         return f"| {window:,} | {gib:g} | {keep} | refused: {e} |||||"
     p = w.plan
-    again = w.forwards_again()
-    windows = again / (len(layout.kinds) * len(p.chunks))  # in whole windows' decode
+    again, windows = w.forwards_again(), w.windows_again()
     lossy = ", ".join(f"{c.setting} {c.chosen}" for c in w.given_up if c.lossy) or "none"
     return (
         f"| {window:,} | {gib:g} | {keep} | {w.config.chunk} | {w.keep} | {p.stride} | "

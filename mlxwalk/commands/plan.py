@@ -41,10 +41,9 @@ def report(model, name: str, window: int, config: WalkConfig, echo=print) -> boo
     for line in choices.lines(walk.given_up):
         echo(line)
     if again := walk.forwards_again():  # the time a stride or inputs not kept costs
-        windows = again / (len(layout.kinds) * len(plan.chunks))
         echo(
             f"  the reverse pass forwards {again:,} layer-chunks again (re-decodes from "
-            f"checkpoints, inputs not kept): {windows:.1f} windows' decode more"
+            f"checkpoints, inputs not kept): {walk.windows_again():.1f} windows' decode more"
         )
     if walk.stem:
         echo(

@@ -41,7 +41,7 @@ LOSSY_STEPS = (("accumulator_dtype", "bfloat16"), ("cache_type", "q8"))
 # An exact fit that forwards more layers again than this many whole windows' decode (a long
 # checkpoint stride, the stem forwarded again) gives way to the lossy choices, the cheapest fit
 # kept where none is affordable: the 27B-shaped window under 21 GiB fitted exactly only at chunk
-# 256 with no checkpoint, 131 windows' decode again (docs/BENCHMARKS.md).
+# 256 with no checkpoint, 132 windows' decode again (docs/BENCHMARKS.md).
 AFFORDABLE = 2.0
 LOSSY_SAID = {"accumulator_dtype": "bfloat16 accumulators", "cache_type": "an 8-bit K/V store"}
 
@@ -226,7 +226,15 @@ class Admission:
     def affordable(self) -> int:
         """The layer forwards again (`forwards_again`) an exact fit may cost before a lossy
         choice is taken to cut them: AFFORDABLE whole windows' decode through every layer."""
-        return int(AFFORDABLE * len(self.layout.kinds) * len(self.plan.chunks))
+        return int(AFFORDABLE * self.one_window())
+
+    def one_window(self) -> int:
+        """Layer forwards over one chunk in one whole window's decode through every layer."""
+        return len(self.layout.kinds) * len(self.plan.chunks)
+
+    def windows_again(self) -> float:
+        """`forwards_again` in whole windows' decode."""
+        return self.forwards_again() / self.one_window()
 
     def largest_fitting(self, asked: int, device: int):
         """The largest chunk from `asked`, halving down to the floor, whose walk fits at the
@@ -313,8 +321,8 @@ class Admission:
         each chunk's entry state re-decoded through every layer from the checkpoint before it
         (the stride's cost, quadratic in it), and the forward that records a chunk's layer inputs
         where they are not kept (the trained layers' with the stem's output kept, every layer's
-        with none). The 27B-shaped window at 21 GiB held the stem's output at
-        stride 66: 4,290 chunks re-decoded, 32 windows' decode (docs/BENCHMARKS.md)."""
+        with none). The 27B-shaped window at 21 GiB held the stem's output at stride 66: 4,290
+        chunks re-decoded, 33 windows' decode (docs/BENCHMARKS.md)."""
         layers = len(self.layout.kinds)
         chunks = self.plan.reverse()
         again = sum(c.index % self.plan.stride for c in chunks) * layers if self.recurrent else 0

@@ -15,6 +15,7 @@ taps' gradient) is computed from the layout and the probe's slope in the tapped 
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -139,7 +140,10 @@ def admit(est: Estimate, budget_bytes: int | None, what: str) -> None:
 
 def live_peak(fn) -> int:
     """Peak memory `fn` adds, with MLX made to free as it goes (a memory limit it always exceeds,
-    so its scheduler waits for each task): the live set, not what an eager scheduler reserves."""
+    so its scheduler waits for each task): the live set, not what an eager scheduler reserves.
+    Garbage is collected first: arrays held only by cycles (earlier walks' caches) freed during
+    `fn` would lower the measured peak below `fn`'s own."""
+    gc.collect()
     mx.eval()
     mx.clear_cache()
     # On CUDA a limit doesn't make MLX wait (its allocator only returns cached buffers): there
