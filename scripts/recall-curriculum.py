@@ -139,14 +139,15 @@ class Budget:
             last, window = progress["stages"][-1]["per_epoch"][-1], progress["stages"][-1]["window"]
         else:
             return
-        self.rate.setdefault(who, self.margin * last["seconds"] / (window * a.train))
+        self.rate.setdefault(who, self.margin * last["seconds"] / (window * a.trains[window]))
 
 
 def stage_data(a, seed: int, stage: int, window: int) -> tuple[dict, dict]:
     """A stage's training and held-out conversations: their own seeds per stage, the held-out
     ones shared by every training seed."""
-    train = recall.dataset(1000 * seed + stage, a.train, window, a.chunk, a.decoys)
-    valid = recall.dataset(bench.VALID_SEED + stage, a.valid, window, a.chunk, a.decoys)
+    chunk = a.chunks[window]  # the fact sits in the first chunk
+    train = recall.dataset(1000 * seed + stage, a.trains[window], window, chunk, a.decoys)
+    valid = recall.dataset(bench.VALID_SEED + stage, a.valid, window, chunk, a.decoys)
     return train, valid
 
 
@@ -174,10 +175,20 @@ class Trainee:
         self.model = bench.build_model(seed, a.width, a.layers, rope_theta=a.rope_theta)
         self.optimizer = bench.ClippedAdam(a.clip, learning_rate=learning_rate(a))
         self.optimizer.init(self.model.trainable_parameters())
-        config = WalkConfig(chunk=a.chunk, follow_runs=False)
-        self.step = bench.make_step(trainer, self.model, self.optimizer, config, a)
+        self.steps: dict[int, object] = {}  # per chunk length: the step walking in it
         # where it is: stages done (rows), the epochs of the stage under way
         self.progress = {"stages": [], "epochs": [], "partial": None, "done": False, "ended": None}
+
+    def make_step(self, config: WalkConfig):
+        """The trainer's step on one window, walking in `config`'s chunks."""
+        return bench.make_step(self.trainer, self.model, self.optimizer, config, self.a)
+
+    def step_at(self, window: int):
+        """The step of a stage of this window (its chunk: --chunk's for the stage)."""
+        chunk = self.a.chunks[window]
+        if chunk not in self.steps:
+            self.steps[chunk] = self.make_step(WalkConfig(chunk=chunk, follow_runs=False))
+        return self.steps[chunk]
 
     def save(self) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -209,11 +220,12 @@ class Trainee:
             len(train["inputs"])
         )
         mx.reset_peak_memory()
+        step = self.step_at(window)
         for i in order[part["windows"] :]:
             if not budget.allows(who, window):
                 self.halt(part)
             start = time.perf_counter()
-            part["loss"] += self.step(bench.window_of(train, int(i)))
+            part["loss"] += step(bench.window_of(train, int(i)))
             seconds = time.perf_counter() - start
             part["seconds"] += seconds
             part["windows"] += 1
@@ -245,7 +257,7 @@ def probe_peak(a, trainer: str, window: int, data: dict) -> float:
     """MiB one step of `trainer` peaks at on a throwaway model, at this window."""
     model = bench.build_model(0, a.width, a.layers, rope_theta=a.rope_theta)
     optimizer = bench.ClippedAdam(a.clip, learning_rate=a.lr)
-    step = bench.make_step(trainer, model, optimizer, WalkConfig(chunk=a.chunk), a)
+    step = bench.make_step(trainer, model, optimizer, WalkConfig(chunk=a.chunks[window]), a)
     mx.reset_peak_memory()
     step(bench.window_of(data, 0))
     return mx.get_peak_memory() / 2**20
@@ -342,7 +354,8 @@ def stage_row(window: int, epochs: list[dict], passed: bool | None) -> dict:
 
 
 def run(a) -> dict:
-    """Per seed: the driver first, then every other trainer on its schedule."""
+    """Per seed: the driver first, then every other trainer on its schedule (with --epochs,
+    every trainer on that schedule)."""
     budget = Budget(a.stop_after, a.stop_after_s, a.margin, a.stop_after_windows)
     for sig in (signal.SIGTERM, signal.SIGINT):  # a run killed saves its epoch part-way first
         signal.signal(sig, budget.ask_to_stop)
@@ -350,7 +363,9 @@ def run(a) -> dict:
     runs: dict = {}
     for seed in [a.seed] if a.seed is not None else range(a.seeds):
         order = [a.driver] + [t for t in a.trainers if t != a.driver]
-        schedule = None
+        schedule = a.epochs
+        if a.epochs:
+            order = a.trainers
         for trainer in order:
             trainee = Trainee(a, trainer, seed)
             if a.resume:
@@ -460,14 +475,27 @@ def arguments(argv: list[str] | None):
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter, allow_abbrev=False
     )
     p.add_argument("--stages", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096])
-    p.add_argument("--chunk", type=int, default=128)
+    p.add_argument("--chunk", type=int, nargs="+", default=[128], help="one, or one per stage")
     p.add_argument("--advance", type=float, default=0.9, help="held-out accuracy to move on")
     p.add_argument("--max-epochs", type=int, default=8, help="epochs the driver gives a stage")
     p.add_argument("--driver", default="one-graph", choices=bench.TRAINERS[:2])
     p.add_argument("--trainers", default="one-graph,exact,plain")
     p.add_argument("--seeds", type=int, help="seeds 0 .. N-1, one after another (default 3)")
     p.add_argument("--seed", type=int, help="run this seed only (seeds run side by side)")
-    p.add_argument("--train", type=int, default=1000, help="training conversations a stage")
+    p.add_argument(
+        "--train",
+        type=int,
+        nargs="+",
+        default=[1000],
+        help="training conversations a stage: one, or one per stage",
+    )
+    p.add_argument(
+        "--epochs",
+        type=int,
+        nargs="+",
+        help="a fixed schedule (one, or one per stage): every trainer trains these epochs, no "
+        "driver; --parallel runs every trainer at once",
+    )
     p.add_argument("--valid", type=int, default=256, help="held-out conversations a stage")
     p.add_argument("--decoys", type=float, default=recall.DECOY_RATE)
     p.add_argument("--width", type=int, default=64)
@@ -517,22 +545,53 @@ def arguments(argv: list[str] | None):
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # --parallel's own
     a = p.parse_args(argv)
     if a.quick:
-        a.stages, a.chunk, a.train, a.valid = [128, 256], 32, 6, 6
+        a.stages, a.chunk, a.train, a.valid = [128, 256], [32], [6], 6
         a.width, a.layers, a.warmup = 32, 1, 2
     if a.seeds is None:
         a.seeds = 1 if a.quick else 3
+    per_stage(p, a)
     a.trainers = a.trainers.split(",")
     if unknown := set(a.trainers) - set(bench.TRAINERS):
         p.error(f"--trainers: unknown {sorted(unknown)}; choose from {', '.join(bench.TRAINERS)}")
-    if a.driver not in a.trainers:
+    if a.driver not in a.trainers and not a.epochs:
         p.error(f"--driver {a.driver} is not among --trainers")
     if "peer" in a.trainers and (reason := bench.prepare_peer(a)):
         p.error(f"--trainers peer: {reason}")
     if a.parallel and a.seed is not None:
         p.error("--parallel runs every seed: give --seeds, not --seed")
-    if any(w % a.chunk for w in a.stages):
-        p.error(f"--stages: every window must be a multiple of --chunk ({a.chunk})")
     return a
+
+
+def per_stage(p: argparse.ArgumentParser, a) -> None:
+    """--chunk, --train and --epochs as one value for every stage or one per stage: `a.chunks`
+    and `a.trains` by window, `a.epochs` a list per stage (or None)."""
+    given = {"--chunk": a.chunk, "--train": a.train, "--epochs": a.epochs}
+    for name, values in given.items():
+        if values is not None and len(values) not in (1, len(a.stages)):
+            p.error(f"{name}: give one value or one per stage ({len(a.stages)}), not {len(values)}")
+        if values is not None and min(values) < 1:
+            p.error(f"{name}: every value must be positive")
+
+    def spread(values):
+        return values * len(a.stages) if len(values) == 1 else values
+
+    a.chunks = dict(zip(a.stages, spread(a.chunk)))
+    a.trains = dict(zip(a.stages, spread(a.train)))
+    a.epochs = spread(a.epochs) if a.epochs else None
+    if bad := [w for w, c in a.chunks.items() if w % c]:
+        p.error(f"--stages: window {bad[0]} is not a multiple of its --chunk ({a.chunks[bad[0]]})")
+
+
+def chunk_label(a) -> str:
+    """--chunk as said in a table's heading: "128", or "32/64/128" per stage."""
+    return "/".join(str(c) for c in dict.fromkeys(a.chunks.values()))
+
+
+def schedule_label(a) -> str:
+    """How the epochs per stage were set, as said in a table's heading."""
+    if a.epochs:
+        return f"a fixed schedule of {a.epochs} epochs"
+    return f"driver {a.driver} (advance at {a.advance}, at most {a.max_epochs} epochs a stage)"
 
 
 def side_by_side(a, argv: list[str]) -> int:
@@ -547,6 +606,11 @@ def side_by_side(a, argv: list[str]) -> int:
     if not a.resume:  # a fresh run: no follower may resume an earlier run's state
         for seed, trainer in ((s, t) for s in range(a.seeds) for t in a.trainers):
             shutil.rmtree(state_folder(a, trainer, seed), ignore_errors=True)
+    if a.epochs:  # a fixed schedule: every trainer at once, none waits for a driver
+        jobs = [(seed, [t]) for seed in range(a.seeds) for t in a.trainers]
+        codes = spawn(a, args, jobs, start)
+        worst = max({0: 0, STOPPED: 1}.get(code, 2) for code in codes.values())
+        return [0, STOPPED, 1][worst]
     codes = spawn(a, args, [(seed, [a.driver]) for seed in range(a.seeds)], start)
     followers = [
         (seed, [a.driver, t])
@@ -649,10 +713,10 @@ def report(a, runs: dict, start: float) -> int:
     rows = summary(a, runs)
     seeds = sorted({int(key.split("/")[1]) for key in runs})
     for r in rows:
-        r["chunks"] = r["window"] // a.chunk
+        r["chunks"] = r["window"] // a.chunks[r["window"]]
     print(
-        f"\nrecall by curriculum: stages {a.stages}, chunk {a.chunk}, driver {a.driver} "
-        f"(advance at {a.advance}, at most {a.max_epochs} epochs a stage), seeds {seeds}, "
+        f"\nrecall by curriculum: stages {a.stages}, chunk {chunk_label(a)}, {schedule_label(a)}, "
+        f"seeds {seeds}, "
         f"qwen2 {a.layers}x{a.width}, rope base {a.rope_theta:g}, chance "
         f"{1 / len(recall.CODES):.3f}; {time.perf_counter() - start:.0f} s"
     )
@@ -670,7 +734,7 @@ def report(a, runs: dict, start: float) -> int:
             print(f"{key}: every stage trained, not yet marked finished")
     if a.plot and rows:
         cap = f", cap {a.cap_gib:g} GiB" if a.cap_gib else ""
-        title = f"recall by curriculum, chunk {a.chunk}{cap}, seeds {seeds}"
+        title = f"recall by curriculum, chunk {chunk_label(a)}{cap}, seeds {seeds}"
         plot(rows, a.plot, title, endings(runs))
         print(f"plot: {a.plot}")
     settings = {k: v for k, v in vars(a).items() if k not in RUN_ONLY}

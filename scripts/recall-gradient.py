@@ -60,6 +60,15 @@ def run_settings(out: Path, seed: int) -> dict | None:
     return None
 
 
+def run_chunk(settings: dict, window: int) -> int:
+    """The chunk the run trained `window` in: its stage's, else its last stage's (a run's
+    --chunk is one value or one per stage; older runs saved one number)."""
+    chunk = settings["chunk"]
+    if isinstance(chunk, int):
+        return chunk
+    return settings.get("chunks", {}).get(str(window), chunk[-1])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", required=True, help="the curriculum run's --out")
@@ -77,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     if s is None:
         print(f"error: no curriculum JSON under {a.out} says the model's shape", file=sys.stderr)
         return 2
-    a.chunk = a.chunk or s["chunk"]
+    a.chunk = a.chunk or run_chunk(s, a.window)
     model = bench.build_model(a.seed, s["width"], s["layers"], rope_theta=s["rope_theta"])
     model.load_weights(list(files.load_safetensors(state).items()))
     mx.eval(model.parameters())

@@ -104,14 +104,17 @@ def answer_logprobs(model, inputs: np.ndarray, batch: int = 32) -> np.ndarray:
     return z - np.log(np.exp(z).sum(-1, keepdims=True))
 
 
-def dpo_step(walk: str, model, reference, optimizer, config: WalkConfig, beta: float):
+def dpo_step(walk: str, model, reference, optimizer, config: WalkConfig, beta: float, kept: dict):
     """A function that takes one DPO step on a conversation's pair, given its chosen window, and
-    returns the pair's loss (before the step)."""
+    returns the pair's loss (before the step). `kept`: the reference's scores per pair, decoded
+    once and kept (as `mlxwalk train --objective dpo` keeps them), shared by every step."""
 
     def step(window: Window) -> float:
         pair = pair_of(window)
-        # decoded chunk by chunk, in one chunk's memory (the model has no adapter to turn off)
-        ref = dpo.reference_scores(reference, pair, config)
+        key = (window.inputs.tobytes(), window.targets.tobytes())
+        if key not in kept:  # decoded chunk by chunk, in one chunk's memory
+            kept[key] = dpo.reference_scores(reference, pair, config)
+        ref = kept[key]
         t, grads = dpo.pair_gradient(model, pair, ref, beta, config, walk=walk)
         apply_step(model, optimizer, grads)  # ClippedAdam clips
         mx.eval(model.parameters(), optimizer.state)
@@ -143,11 +146,15 @@ class PreferenceTrainee(curriculum.Trainee):
     pairs and the preference scores held out."""
 
     def __init__(self, a, trainer: str, seed: int):
-        super().__init__(a, trainer, seed)  # its cross-entropy step replaced below
+        super().__init__(a, trainer, seed)
         self.reference = bench.build_model(seed, a.width, a.layers, rope_theta=a.rope_theta)
-        config = WalkConfig(chunk=a.chunk, follow_runs=False)  # fixed chunks, as training cuts
-        self.step = dpo_step(trainer, self.model, self.reference, self.optimizer, config, a.beta)
+        self.kept: dict = {}  # per pair: the reference's scores
         self.held_out: dict[int, np.ndarray] = {}  # per window: the reference's log-probs
+
+    def make_step(self, config: WalkConfig):
+        """The DPO step in place of the curriculum's cross-entropy one."""
+        m, opt = self.model, self.optimizer
+        return dpo_step(self.trainer, m, self.reference, opt, config, self.a.beta, self.kept)
 
     def epoch(self, stage: int, window: int, train: dict, valid: dict, budget) -> dict:
         """The curriculum's epoch over the stage's conversations (each step a pair's), its row's
@@ -186,7 +193,7 @@ def summary(a, runs: dict) -> list[dict]:
         got = [e["recall"] for e in last]
         r["recall"] = {"mean": statistics.fmean(got), "min": min(got), "max": max(got)}
         r["margin"] = statistics.fmean(e["margin"] for e in last)
-        r["chunks"] = r["window"] // a.chunk
+        r["chunks"] = r["window"] // a.chunks[r["window"]]
     return rows
 
 
@@ -253,9 +260,9 @@ def report(a, runs: dict, start: float) -> int:
     rows = summary(a, runs)
     seeds = sorted({int(key.split("/")[1]) for key in runs})
     print(
-        f"\nrecall as a preference (DPO, beta {a.beta:g}): stages {a.stages}, chunk {a.chunk}, "
-        f"driver {a.driver} (advance at preference {a.advance}, at most {a.max_epochs} epochs a "
-        f"stage), seeds {seeds}, qwen2 {a.layers}x{a.width}, the reference its init; chance: "
+        f"\nrecall as a preference (DPO, beta {a.beta:g}): stages {a.stages}, chunk "
+        f"{curriculum.chunk_label(a)}, {curriculum.schedule_label(a)}, seeds {seeds}, "
+        f"qwen2 {a.layers}x{a.width}, the reference its init; chance: "
         f"recall {1 / len(recall.CODES):.3f}, preference 0.5; {time.perf_counter() - start:.0f} s"
     )
     print(table(rows))
@@ -270,7 +277,7 @@ def report(a, runs: dict, start: float) -> int:
                 f"{part['windows']} pairs of the next"
             )
     if a.plot and rows:
-        title = f"recall as a preference (DPO), chunk {a.chunk}, seeds {seeds}"
+        title = f"recall as a preference (DPO), chunk {curriculum.chunk_label(a)}, seeds {seeds}"
         plot(rows, a.plot, title, curriculum.endings(runs))
         print(f"plot: {a.plot}")
     run_only = (*curriculum.RUN_ONLY, "child")
@@ -287,7 +294,7 @@ def arguments(argv: list[str] | None):
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter, allow_abbrev=False
     )
     p.add_argument("--stages", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096])
-    p.add_argument("--chunk", type=int, default=128)
+    p.add_argument("--chunk", type=int, nargs="+", default=[128], help="one, or one per stage")
     p.add_argument("--beta", type=float, default=0.1, help="DPO's beta")
     p.add_argument(
         "--advance", type=float, default=0.9, help="held-out preference accuracy to move on"
@@ -297,7 +304,20 @@ def arguments(argv: list[str] | None):
     p.add_argument("--trainers", default="one-graph,exact,plain")
     p.add_argument("--seeds", type=int, help="seeds 0 .. N-1, one after another (default 3)")
     p.add_argument("--seed", type=int, help="run this seed only (seeds run side by side)")
-    p.add_argument("--train", type=int, default=1000, help="training pairs a stage")
+    p.add_argument(
+        "--train",
+        type=int,
+        nargs="+",
+        default=[1000],
+        help="training pairs a stage: one, or one per stage",
+    )
+    p.add_argument(
+        "--epochs",
+        type=int,
+        nargs="+",
+        help="a fixed schedule (one, or one per stage): every trainer trains these epochs, no "
+        "driver; --parallel runs every trainer at once",
+    )
     p.add_argument("--valid", type=int, default=256, help="held-out pairs a stage")
     p.add_argument("--decoys", type=float, default=recall.DECOY_RATE)
     p.add_argument("--width", type=int, default=64)
@@ -333,22 +353,21 @@ def arguments(argv: list[str] | None):
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # --parallel's own
     a = p.parse_args(argv)
     if a.quick:
-        a.stages, a.chunk, a.train, a.valid = [128, 256], 32, 6, 6
+        a.stages, a.chunk, a.train, a.valid = [128, 256], [32], [6], 6
         a.width, a.layers, a.warmup = 32, 1, 2
     if a.seeds is None:
         a.seeds = 1 if a.quick else 3
+    curriculum.per_stage(p, a)
     a.cap_gib = None  # the curriculum's memory cap: not offered here
     a.trainers = a.trainers.split(",")
     if unknown := set(a.trainers) - set(TRAINERS):
         p.error(f"--trainers: unknown {sorted(unknown)}; choose from {', '.join(TRAINERS)}")
-    if a.driver not in a.trainers:
+    if a.driver not in a.trainers and not a.epochs:
         p.error(f"--driver {a.driver} is not among --trainers")
     if not a.beta > 0:
         p.error(f"--beta must be positive, got {a.beta}")
     if a.parallel and a.seed is not None:
         p.error("--parallel runs every seed: give --seeds, not --seed")
-    if any(w % a.chunk for w in a.stages):
-        p.error(f"--stages: every window must be a multiple of --chunk ({a.chunk})")
     return a
 
 

@@ -113,7 +113,7 @@ def test_a_resumed_trainer_predicts_its_next_window_from_its_saved_epoch():
 
     script = load_script()
     budget = script.Budget(None, 10.0)
-    a = types.SimpleNamespace(stages=[128, 256], train=10)
+    a = types.SimpleNamespace(stages=[128, 256], trains={128: 10, 256: 10})
     saved = {"epochs": [], "stages": [{"window": 128, "per_epoch": [{"seconds": 60.0}]}]}
     assert budget.allows("exact/0", 256)  # nothing known: it starts
     budget.resumed("exact/0", saved, a)  # 6 s a window of 128, with the margin 9 s

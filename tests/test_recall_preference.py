@@ -118,3 +118,45 @@ def test_parallel_runs_this_script_and_gives_the_table_of_one_run(tmp_path):
     log = (apart / "seed0-plain.log").read_text()
     assert "plain seed 0 window 256" in log and "exact seed" not in log
     assert scores(together) == scores(apart)
+
+
+def test_a_fixed_schedule_with_chunks_and_pairs_per_stage_runs_every_trainer_at_once(tmp_path):
+    together, apart = tmp_path / "together", tmp_path / "apart"
+    fixed = ("--seeds", "1", "--trainers", "exact,plain", "--epochs", "2", "1")
+    per_stage = ("--chunk", "32", "64", "--train", "6", "4")
+    # --quick sets one chunk and six pairs: the per-stage values given after it would be lost
+    script = [sys.executable, str(SCRIPT), "--width", "32", "--layers", "1", "--warmup", "2"]
+    small = (*script, "--stages", "128", "256", "--valid", "6", *fixed, *per_stage)
+    run = lambda out, *more: subprocess.run(  # noqa: E731
+        [*small, "--out", str(out), *more], capture_output=True, text=True, timeout=300
+    )
+    done = run(together)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "chunk 32/64, a fixed schedule of [2, 1] epochs" in done.stdout
+    assert "| 128 | 4 | exact | 1 | 2.0 |" in done.stdout  # chunk 32: 4 chunks
+    assert "| 256 | 4 | plain | 1 | 1.0 |" in done.stdout  # chunk 64: 4 chunks
+    side = run(apart, "--parallel")
+    assert side.returncode == 0, side.stdout[-2000:] + side.stderr[-2000:]
+    exact_log = (apart / "seed0-exact.log").read_text()
+    assert "exact seed 0 window 256" in exact_log and "plain seed" not in exact_log
+    assert scores(together) == scores(apart)
+    runs = json.loads((together / "preference.json").read_text())["runs"]
+    for run_ in runs.values():  # the pairs per stage: 6 at 128, 4 at 256
+        assert [
+            round(e["seconds"] / e["s_per_window"]) for s in run_["stages"] for e in s["per_epoch"]
+        ] == [6, 6, 4]
+
+
+def test_per_stage_values_must_match_the_stages(tmp_path):
+    def asked(*args: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, str(SCRIPT), "--out", str(tmp_path), *args]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+    bad = asked("--stages", "128", "256", "--chunk", "32", "64", "128")
+    assert bad.returncode == 2
+    assert "--chunk: give one value or one per stage (2), not 3" in bad.stderr
+    bad = asked("--epochs", "0")
+    assert bad.returncode == 2 and "--epochs: every value must be positive" in bad.stderr
+    bad = asked("--stages", "128", "256", "--chunk", "32", "96")
+    assert bad.returncode == 2 and "window 256 is not a multiple of its --chunk (96)" in bad.stderr
+    assert not any(tmp_path.iterdir())  # refused before anything was written
