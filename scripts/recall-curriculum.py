@@ -475,27 +475,13 @@ def arguments(argv: list[str] | None):
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter, allow_abbrev=False
     )
     p.add_argument("--stages", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096])
-    p.add_argument("--chunk", type=int, nargs="+", default=[128], help="one, or one per stage")
+    stage_options(p, "conversations")
     p.add_argument("--advance", type=float, default=0.9, help="held-out accuracy to move on")
     p.add_argument("--max-epochs", type=int, default=8, help="epochs the driver gives a stage")
     p.add_argument("--driver", default="one-graph", choices=bench.TRAINERS[:2])
     p.add_argument("--trainers", default="one-graph,exact,plain")
     p.add_argument("--seeds", type=int, help="seeds 0 .. N-1, one after another (default 3)")
     p.add_argument("--seed", type=int, help="run this seed only (seeds run side by side)")
-    p.add_argument(
-        "--train",
-        type=int,
-        nargs="+",
-        default=[1000],
-        help="training conversations a stage: one, or one per stage",
-    )
-    p.add_argument(
-        "--epochs",
-        type=int,
-        nargs="+",
-        help="a fixed schedule (one, or one per stage): every trainer trains these epochs, no "
-        "driver; --parallel runs every trainer at once",
-    )
     p.add_argument("--valid", type=int, default=256, help="held-out conversations a stage")
     p.add_argument("--decoys", type=float, default=recall.DECOY_RATE)
     p.add_argument("--width", type=int, default=64)
@@ -560,6 +546,25 @@ def arguments(argv: list[str] | None):
     if a.parallel and a.seed is not None:
         p.error("--parallel runs every seed: give --seeds, not --seed")
     return a
+
+
+def stage_options(p: argparse.ArgumentParser, examples: str) -> None:
+    """--chunk, --train (`examples` a stage) and --epochs: each one value or one per stage."""
+    p.add_argument("--chunk", type=int, nargs="+", default=[128], help="one, or one per stage")
+    p.add_argument(
+        "--train",
+        type=int,
+        nargs="+",
+        default=[1000],
+        help=f"training {examples} a stage: one, or one per stage",
+    )
+    p.add_argument(
+        "--epochs",
+        type=int,
+        nargs="+",
+        help="a fixed schedule (one, or one per stage): every trainer trains these epochs, no "
+        "driver; --parallel runs every trainer at once",
+    )
 
 
 def per_stage(p: argparse.ArgumentParser, a) -> None:

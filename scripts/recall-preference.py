@@ -43,6 +43,7 @@ and --table.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
 import json
 import statistics
@@ -111,7 +112,7 @@ def dpo_step(walk: str, model, reference, optimizer, config: WalkConfig, beta: f
 
     def step(window: Window) -> float:
         pair = pair_of(window)
-        key = (window.inputs.tobytes(), window.targets.tobytes())
+        key = hashlib.blake2b(window.inputs.tobytes() + window.targets.tobytes()).digest()
         if key not in kept:  # decoded chunk by chunk, in one chunk's memory
             kept[key] = dpo.reference_scores(reference, pair, config)
         ref = kept[key]
@@ -294,7 +295,7 @@ def arguments(argv: list[str] | None):
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter, allow_abbrev=False
     )
     p.add_argument("--stages", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096])
-    p.add_argument("--chunk", type=int, nargs="+", default=[128], help="one, or one per stage")
+    curriculum.stage_options(p, "pairs")
     p.add_argument("--beta", type=float, default=0.1, help="DPO's beta")
     p.add_argument(
         "--advance", type=float, default=0.9, help="held-out preference accuracy to move on"
@@ -304,20 +305,6 @@ def arguments(argv: list[str] | None):
     p.add_argument("--trainers", default="one-graph,exact,plain")
     p.add_argument("--seeds", type=int, help="seeds 0 .. N-1, one after another (default 3)")
     p.add_argument("--seed", type=int, help="run this seed only (seeds run side by side)")
-    p.add_argument(
-        "--train",
-        type=int,
-        nargs="+",
-        default=[1000],
-        help="training pairs a stage: one, or one per stage",
-    )
-    p.add_argument(
-        "--epochs",
-        type=int,
-        nargs="+",
-        help="a fixed schedule (one, or one per stage): every trainer trains these epochs, no "
-        "driver; --parallel runs every trainer at once",
-    )
     p.add_argument("--valid", type=int, default=256, help="held-out pairs a stage")
     p.add_argument("--decoys", type=float, default=recall.DECOY_RATE)
     p.add_argument("--width", type=int, default=64)
