@@ -15,7 +15,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import cached_property
 
+from . import checkpoints
 from .errors import ConfigError, DataError, OutOfMemory, PlanError  # noqa: F401  (re-exported)
 
 MIB = 1 << 20
@@ -64,7 +66,7 @@ class Plan:
     horizon: int  # 0 = the whole window
     chunks: tuple[Chunk, ...]  # up to the last labelled position
     accumulator_bytes: int = 0
-    stride: int = 1  # a recurrent checkpoint every `stride` chunks
+    stride: int = 1  # recurrent checkpoints: one per `stride` chunks (their memory)
     checkpoint_bytes: int = 0
 
     @property
@@ -80,9 +82,25 @@ class Plan:
         """The chunks the reverse pass trains, last to first."""
         return [c for c in reversed(self.chunks) if c.needed]
 
+    @property
+    def slots(self) -> int:
+        """Recurrent states the walk holds besides the zero state entering chunk 0 (and the one
+        a chunk is trained from): one per `stride` chunks but the first."""
+        return math.ceil(len(self.chunks) / self.stride) - 1
+
+    @cached_property
+    def schedule(self) -> checkpoints.Schedule:
+        """Where the states are kept, forward and in reverse (checkpoints.py): the binomial
+        schedule for `slots`."""
+        return checkpoints.schedule(len(self.chunks), self.slots)
+
     def checkpointed(self, index: int) -> bool:
         """Whether the forward decode keeps the recurrent state entering chunk `index`."""
-        return index % self.stride == 0 and index > 0
+        return index in self.schedule.forward
+
+    def decoded_again(self) -> int:
+        """Chunks a recurrent model decodes again in reverse to rebuild entry states."""
+        return self.schedule.again([c.index for c in self.reverse()])
 
 
 Run = tuple[int, int, float]  # (start, end, weight): positions [start, end) share one weight
@@ -208,8 +226,8 @@ def accumulator_bytes(positions: int, footprint: Footprint, element_bytes: int =
 
 
 def checkpoint_bytes(n_chunks: int, stride: int, footprint: Footprint) -> int:
-    """Recurrent states kept by the forward decode: every stride-th chunk start but the first
-    (the state entering chunk 0 is zero)."""
+    """Recurrent states the walk holds: one per stride of chunks but the first (the state
+    entering chunk 0 is zero); the binomial schedule (checkpoints.py) places them."""
     if not footprint.recurrent:
         return 0
     return (math.ceil(n_chunks / stride) - 1) * footprint.state_bytes

@@ -204,6 +204,7 @@ def main() -> None:
     p.add_argument("--bits", type=int, default=4, help="quantize the base (0 = bf16)")
     p.add_argument("--window", type=int, default=67584)
     p.add_argument("--chunk", type=int, default=2048)
+    p.add_argument("--min-chunk", type=int, default=None, help="the admission's floor (WalkConfig)")
     p.add_argument("--recompute", action="store_true")
     p.add_argument("--cache-type", default="auto")
     p.add_argument(
@@ -303,6 +304,7 @@ def main() -> None:
             probe.forget()
         config = WalkConfig(
             chunk=a.chunk,
+            min_chunk=a.min_chunk,
             cache_type=a.cache_type,
             accumulator_dtype=a.accumulator_dtype,
             recompute=a.recompute,

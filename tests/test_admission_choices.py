@@ -239,8 +239,18 @@ def hybrid_walk(model, budget_mib, **settings):
 
 
 def budgets_between(model) -> list[float]:
+    """Budgets from 0.6 to 1.0 of the walk with every input kept, and the least where that walk
+    fits (at its longest stride: with a few slots, the binomial schedule re-decodes little)."""
     full = hybrid_walk(model, 1e9, keep_inputs="on", **LOSSLESS).estimate.total / MIB
-    return list(np.linspace(0.6 * full, full, 25))
+    lo, hi = 0.6 * full, full
+    while hi - lo > 0.01:
+        mid = (lo + hi) / 2
+        try:
+            fits = hybrid_walk(model, mid, keep_inputs="on", **LOSSLESS).estimate.total <= mid * MIB
+        except OutOfMemory:
+            fits = False
+        lo, hi = (lo, mid) if fits else (mid, hi)
+    return list(np.linspace(0.6 * full, full, 25)) + [hi]
 
 
 LOSSLESS = dict(cache_type="float32", accumulator_dtype="float32")

@@ -75,9 +75,8 @@ def test_smaller_host_budget_gives_larger_stride_and_fewer_bytes():
     assert tight.host_bytes < free.host_bytes and tight.host_bytes <= budget
     tighter = plan_window(w, 64, HYBRID, host_budget=free.accumulator_bytes + 3 * MIB)
     assert tighter.stride > tight.stride and tighter.host_bytes <= tight.host_bytes
-    assert [c.index for c in tight.chunks if tight.checkpointed(c.index)] == list(
-        range(tight.stride, 16, tight.stride)
-    )
+    kept = [c.index for c in tight.chunks if tight.checkpointed(c.index)]
+    assert len(kept) == tight.slots == -(-16 // tight.stride) - 1 and 0 not in kept
 
 
 def test_impossible_budget_is_refused_naming_host_memory():

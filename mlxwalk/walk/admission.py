@@ -194,8 +194,9 @@ class Admission:
     def search(self, device: int, steps: list[tuple[str, str]]):
         """(estimate, estimate at one chunk of taps): at the asked chunk with the head's copy
         given up if it does not fit, then for no lossy choice and for each in turn the largest
-        chunk down to the floor that fits at the full horizon; where none does, the smallest
-        chunk with every choice (its late chunks narrowed, or refused)."""
+        chunk down to the floor that fits at the full horizon with its layers forwarded again
+        affordable; where none is, the fit that forwards the fewest; where none fits, the
+        smallest chunk with every choice (its late chunks narrowed, or refused)."""
         asked = self.config.chunk
         est, least = self.settled_at(asked, device, probe_it=True)
         auto_head = self.config.head_products == "auto" and self.head_products == "dequantized"
@@ -208,12 +209,10 @@ class Admission:
         for taken in range(len(steps) + 1):
             if taken:
                 self.take(steps[taken - 1])
-            found = self.largest_fitting(asked, device)
-            if found is None:
-                continue
-            if self.forwards_again() <= self.affordable():
-                return found
-            costly.append((self.forwards_again(), self.settled(), found))
+            for found in self.fitting(asked, device):
+                if self.forwards_again() <= self.affordable():
+                    return found
+                costly.append((self.forwards_again(), self.settled(), found))
         if costly:  # none affordable: the cheapest
             _, settled, found = min(costly, key=lambda c: c[0])
             self.config, self.plan, self.keep, self.acts = settled
@@ -236,19 +235,19 @@ class Admission:
         """`forwards_again` in whole windows' decode."""
         return self.forwards_again() / self.one_window()
 
-    def largest_fitting(self, asked: int, device: int):
-        """The largest chunk from `asked`, halving down to the floor, whose walk fits at the
-        full horizon: estimated from the nearest graph measured, then confirmed by a probe at
-        it (the search goes on from that measurement where it does not); None where none fits."""
+    def fitting(self, asked: int, device: int):
+        """Each chunk from `asked`, halving down to the floor, whose walk fits at the full
+        horizon, largest first: estimated from the nearest graph measured, then confirmed by a
+        probe at it (the search goes on from that measurement where it does not). A smaller
+        chunk that fits with fewer layers forwarded again can be affordable where a larger one
+        is not (its checkpoints fit at a shorter stride)."""
         least_chunk, chunk = choices.chunk_floor(self.asked), asked
-        while True:
+        while chunk >= least_chunk:
             est, least = self.settled_at(chunk, device, probe_it=False)
             if est.total <= device:
                 est, least = self.settled_at(chunk, device, probe_it=True)
                 if est.total <= device:
-                    return est, least
-            if chunk // 2 < least_chunk:
-                return None
+                    yield est, least
             chunk //= 2
 
     def settled_at(self, chunk: int, device: int, probe_it: bool):
@@ -308,7 +307,7 @@ class Admission:
         if est.total > device and self.layout.recurrent and self.config.host_budget is None:
             for graph in (est.graph, self.least_graph()):
                 room = device - (est.total - est.host - est.graph + graph)
-                try:  # fewer checkpoints, each re-decoded from the one before it in reverse
+                try:  # fewer checkpoints, the states between them re-decoded in reverse
                     self.plan = self.make_plan(max(room, 0))
                 except OutOfMemory:
                     continue
@@ -318,14 +317,15 @@ class Admission:
 
     def forwards_again(self) -> int:
         """Layer forwards over one chunk that the reverse pass runs beyond one graph per chunk:
-        each chunk's entry state re-decoded through every layer from the checkpoint before it
-        (the stride's cost, quadratic in it), and the forward that records a chunk's layer inputs
-        where they are not kept (the trained layers' with the stem's output kept, every layer's
-        with none). The 27B-shaped window at 21 GiB held the stem's output at stride 66: 4,290
-        chunks re-decoded, 33 windows' decode (docs/BENCHMARKS.md)."""
+        the entry states re-decoded through every layer by the checkpoint schedule (binomial in
+        the slots: checkpoints.py), and the forward that records a chunk's layer inputs where
+        they are not kept (the trained layers' with the stem's output kept, every layer's with
+        none). The 27B-shaped window at 21 GiB held the stem's output with one checkpoint per 66
+        chunks, re-decoding each from the one before it: 4,290 chunks, 33 windows' decode
+        (docs/BENCHMARKS.md); the binomial schedule re-decodes 1,169 there."""
         layers = len(self.layout.kinds)
         chunks = self.plan.reverse()
-        again = sum(c.index % self.plan.stride for c in chunks) * layers if self.recurrent else 0
+        again = self.plan.decoded_again() * layers if self.recurrent else 0
         if self.config.recompute and self.keep != "all":
             again += len(chunks) * (layers - self.stem if self.keep == "stem" else layers)
         return again

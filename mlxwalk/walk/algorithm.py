@@ -5,11 +5,13 @@ walk/plain.py for MLX, torch_backend/walk.py for torch).
 
 The exact walk:
   1. decode_forward: every chunk but the last (whose K/V and exit state no chunk reads), first
-     to last, with no gradient: its K/V into the store; the state entering every stride-th chunk
-     kept (recurrent layers).
+     to last, with no gradient: its K/V into the store; the states entering the chunks the
+     plan's checkpoint schedule names kept (recurrent layers), and the one entering the last.
   2. reverse: every needed chunk, last to first, as a graph of its own: its share of the loss
      plus the surrogates <own K/V, adjoint> + <exit state, adjoint>, the adjoints being what later
-     chunks sent back; its entry state is its checkpoint, or re-decoded from the nearest one.
+     chunks sent back; its entry state is held, or re-decoded from the nearest held one before
+     it, keeping on the way the states the schedule names (checkpoints.py: binomial, so a few
+     slots cost a few passes, not the gap's square).
   3. the caller steps once on the summed gradient.
 
 The adapter must not change between the start of decode_forward and the end of reverse: the
@@ -93,7 +95,7 @@ class ExactAlgorithm(WalkAlgorithm):
     recurrent: bool = False
     budget_mib: float | None = None
     remedies: str = "raise --memory-budget-mib, or give a smaller --chunk"
-    checkpoints: dict
+    checkpoints: dict  # chunk index -> the recurrent state entering it, while held
     # The memory probe's walk: the decode only allocates the store it would fill, each entry
     # state is zero. A chunk's graph depends on its prefix's length, not its values, and a whole
     # window's decode per probe walk cost minutes on CUDA, where the probe reads the run's whole
@@ -124,7 +126,7 @@ class ExactAlgorithm(WalkAlgorithm):
             state = self.decode_run(run, state)
             for chunk in run:
                 self.tick("decode", chunk.index + 1, len(chunks))
-        if self.plan.checkpointed(last.index):
+        if self.recurrent and last.index > 0:  # the reverse pass trains it first, from this
             self.checkpoints[last.index] = state
         self.tick("decode", last.index + 1, len(chunks))
 
@@ -153,15 +155,24 @@ class ExactAlgorithm(WalkAlgorithm):
         return state
 
     def entry_state(self, chunk: Chunk):
-        """The state entering `chunk`: its checkpoint, or decoded forward from the nearest one
-        (without writing the store)."""
+        """The state entering `chunk`: held, or decoded forward (without writing the store)
+        from the nearest held one before it, keeping on the way what the schedule says."""
         if not self.recurrent or self.filled:
             return self.zero_state()
-        first = chunk.index - chunk.index % self.plan.stride
-        state = self.checkpoints[first] if first > 0 else self.zero_state()
-        for c in self.plan.chunks[first : chunk.index]:
+        source = max((i for i in self.checkpoints if i <= chunk.index), default=0)
+        state = self.checkpoints[source] if source in self.checkpoints else self.zero_state()
+        keeps = self.plan.schedule.keeps.get(chunk.index, ())
+        for c in self.plan.chunks[source : chunk.index]:
             state = self.decode(c, state, write=False)
+            if c.index + 1 in keeps:
+                self.checkpoints[c.index + 1] = state
         return state
+
+    def let_go(self, chunk: Chunk) -> None:
+        """Trained: the states entering it and later chunks are needed no more (their slots
+        take the states the schedule keeps on the way to earlier chunks)."""
+        for i in [i for i in self.checkpoints if i >= chunk.index]:
+            del self.checkpoints[i]
 
     def reverse(self, chunks: int | None = None):
         self.start_reverse()
@@ -169,6 +180,7 @@ class ExactAlgorithm(WalkAlgorithm):
         order = self.plan.reverse()[:chunks]
         for done, chunk in enumerate(order, 1):
             share = self.train_chunk(chunk, self.entry_state(chunk), self.grad_from(chunk))
+            self.let_go(chunk)
             loss = share if loss is None else loss + share
             self.tick("train", done, len(order))
         return self.finish_reverse(loss)

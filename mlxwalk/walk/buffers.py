@@ -12,7 +12,8 @@ decoded chunk, the summed gradient beside the chunk's own, the state adjoints.
   store         K and V per attention layer, each one array over the window (q8: three each)
   accumulators  K and V per tapped attention layer; the state adjoints of the recurrent layers
                 above the stem, those the chunk was given and those it sends back
-  checkpoints   every recurrent layer's state arrays, at every kept chunk boundary
+  checkpoints   every recurrent layer's state arrays, at every chunk boundary the checkpoint
+                schedule holds while the second chunk trains
   inputs        kept layer inputs: one array per decoded chunk (the stem's output), or one per
                 trained layer and the last output
   graph         one chunk's graph: the recorded layer inputs and an upper bound on what the layer
@@ -109,7 +110,9 @@ def count(
     above = sum(n for i, n in zip(layout.recurrent, states) if i >= stem)
     decoded = len(plan.chunks) - 1  # the last chunk is not decoded
     per_chunk = {"all": len(layout.kinds) - stem + 1, "stem": 1}.get(keep, 0)
-    kept = math.ceil(len(plan.chunks) / plan.stride) - 1 if layout.recurrent else 0
+    # the states held while the second chunk trains (the last's is let go), the schedule's count
+    held = [h for _, _, h in plan.schedule.walk([c.index for c in plan.reverse()][:2])]
+    kept = held[-1] if layout.recurrent else 0
     last = plan.chunks[-1]
     return Buffers(
         weights=arrays(model.parameters()) - trainable,

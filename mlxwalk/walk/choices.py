@@ -41,7 +41,7 @@ WHY = {
     "K/V store": "lossy: the prefix is read back at 8 bits (test-walk-exact row 1b)",
     "accumulators": "lossy: K/V gradients summed in bfloat16 (test-walk-exact row 1c)",
     "chunk": "exact; more, smaller chunks take longer",
-    "checkpoint stride": "exact; a chunk's entry state is re-decoded from the checkpoint before it",
+    "checkpoint stride": "exact; states re-decoded from fewer checkpoints (a binomial schedule)",
     "kept inputs": "exact; the reverse pass records the forward it no longer keeps",
     "head products": "exact; the head multiplies its quantized weight (slower)",
 }
