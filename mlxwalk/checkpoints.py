@@ -51,10 +51,18 @@ def decodes_by_recursion(length: int, slots: int) -> int:
 
 @cache
 def split(length: int, slots: int) -> int:
-    """Where the first kept state goes (chunks from the first), for the fewest decodes."""
-    return min(
-        range(1, length), key=lambda m: m + decodes(length - m, slots - 1) + decodes(m, slots)
-    )
+    """Where the first kept state goes (chunks from the first), for the fewest decodes. The cost
+    is convex in it (a line plus two costs convex in their length, whose slope is the number of
+    passes), so a bisection on its differences finds a least one."""
+
+    def cost(m: int) -> int:
+        return m + decodes(length - m, slots - 1) + decodes(m, slots)
+
+    lo, hi = 1, length - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (mid + 1, hi) if cost(mid + 1) < cost(mid) else (lo, mid)
+    return lo
 
 
 @dataclass(frozen=True)
@@ -78,12 +86,16 @@ class Schedule:
         any other is decoded from the nearest state held at or before it, keeping on the way what
         the schedule says; a trained chunk lets go of every state from its own on."""
         last = self.chunks - 1
-        held, out = {0, last} | self.forward, []
+        held = sorted({0, last} | self.forward)  # ascending; only those below c are needed
+        out = []
         for c in sorted(self.keeps if trained is None else trained, reverse=True):
-            source = max(i for i in held if i <= c)
-            held |= {k for k in self.keeps[c] if k > source} if c != last else set()
-            out.append((c, c - source, len(held - {0})))
-            held = {i for i in held if i < c}
+            while held[-1] > c:
+                held.pop()
+            source = held[-1]
+            held += [k for k in self.keeps[c] if k > source] if c != last else []
+            out.append((c, c - source, len(held) - (held[0] == 0)))
+            while held and held[-1] >= c:
+                held.pop()
         return out
 
     def again(self, trained: list[int] | None = None) -> int:
@@ -99,6 +111,9 @@ def schedule(chunks: int, slots: int) -> Schedule:
     todo = [(0, chunks, max(slots, 0))]  # (first chunk, chunks, free slots), last in first out
     while todo:
         a, n, f = todo.pop()
+        if f >= n - 1:  # a slot for every state: each kept on the first way down
+            pending += range(a + 1, a + n)
+            f = 0
         if n == 1 or f == 0:
             for c in reversed(range(a, a + n)):
                 keeps[c], pending = tuple(pending), []

@@ -3,7 +3,7 @@ algorithm following it with integer states (the state entering chunk i is i)."""
 
 import pytest
 
-from mlxwalk.checkpoints import decodes, decodes_by_recursion
+from mlxwalk.checkpoints import decodes, decodes_by_recursion, schedule
 from mlxwalk.plan import Footprint, plan_window
 from mlxwalk.walk.algorithm import ExactAlgorithm
 
@@ -83,3 +83,13 @@ def test_as_many_slots_as_chunks_re_decode_nothing():
     for chunks in (2, 9, 40):
         assert walked(chunks, 1).again == 0
         assert decodes(chunks, chunks) == chunks - 1
+
+
+def test_the_schedule_costs_its_closed_form_and_keeps_within_its_slots():
+    for chunks in range(1, 70):
+        for slots in range(0, 12):
+            s = schedule(chunks, slots)
+            walked_back = s.walk()
+            assert s.again() == decodes(chunks, slots) - max(chunks - 1, 0), (chunks, slots)
+            if chunks > 1:  # past the last chunk's training, within the slots
+                assert max(h for _, _, h in walked_back[1:]) <= slots, (chunks, slots)
