@@ -3,7 +3,7 @@ algorithm following it with integer states (the state entering chunk i is i)."""
 
 import pytest
 
-from mlxwalk.checkpoints import decodes, decodes_by_recursion, schedule
+from mlxwalk.checkpoints import by_stride, decodes, decodes_by_recursion, schedule
 from mlxwalk.plan import Footprint, plan_window
 from mlxwalk.walk.algorithm import ExactAlgorithm
 
@@ -70,13 +70,14 @@ def test_the_walk_trains_every_chunk_from_its_state_within_the_slots(chunks, str
 
 def test_the_binomial_schedule_re_decodes_a_fraction_of_the_stride_walk():
     """The 27B-shaped window at 21 GiB: 132 chunks of 512, one checkpoint per 19 chunks. Each
-    chunk decoded from the checkpoint before it re-decodes 1,179 chunks; the schedule 232."""
+    chunk decoded from the checkpoint before it re-decodes 1,162 chunks (1,179 when the last
+    chunk's state was decoded again too); the schedule 232."""
     a = walked(132, 19)
-    stride_walk = sum(i % 19 for i in range(132))
-    assert (a.plan.slots, stride_walk, a.again) == (6, 1_179, 232)
+    stride_walk = by_stride(132, 19).again()
+    assert (a.plan.slots, stride_walk, a.again) == (6, 1_162, 232)
     # no slot: every chunk decoded from the zero state; one slot: far less than its stride walk
     assert walked(132, 132).again == 132 * 131 // 2 - 131
-    assert walked(132, 66).again == 1_169 < sum(i % 66 for i in range(132))
+    assert walked(132, 66).again == 1_169 < by_stride(132, 66).again() == 4_225
 
 
 def test_as_many_slots_as_chunks_re_decode_nothing():
@@ -93,3 +94,10 @@ def test_the_schedule_costs_its_closed_form_and_keeps_within_its_slots():
             assert s.again() == decodes(chunks, slots) - max(chunks - 1, 0), (chunks, slots)
             if chunks > 1:  # past the last chunk's training, within the slots
                 assert max(h for _, _, h in walked_back[1:]) <= slots, (chunks, slots)
+
+
+def test_the_even_schedule_decodes_each_chunk_from_the_checkpoint_before_it():
+    for chunks, stride in [(9, 3), (33, 5), (132, 19)]:
+        even = by_stride(chunks, stride)
+        assert even.again() == sum(i % stride for i in range(chunks - 1))  # the last handed over
+        assert sorted(even.forward) == list(range(stride, chunks, stride))
