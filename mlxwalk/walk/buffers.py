@@ -111,8 +111,8 @@ def count(
     decoded = len(plan.chunks) - 1  # the last chunk is not decoded
     per_chunk = {"all": len(layout.kinds) - stem + 1, "stem": 1}.get(keep, 0)
     # the states held while the second chunk trains (the last's is let go), the schedule's count
-    held = [h for _, _, h in plan.schedule.walk([c.index for c in plan.reverse()][:2])]
-    kept = held[-1] if layout.recurrent else 0
+    second = [c.index for c in plan.reverse()][:2]
+    kept = plan.schedule.walk(second)[-1][2] if layout.recurrent else 0
     last = plan.chunks[-1]
     return Buffers(
         weights=arrays(model.parameters()) - trainable,
