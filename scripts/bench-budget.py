@@ -55,6 +55,13 @@ def one(model, optimizer, window: Window, config: WalkConfig, profile: bool = Fa
         }
     est = walk.estimate
     full = est.total if est else None
+    print(  # before the walk: a run cut short by a time limit still tells what was admitted
+        f"  admitted in {time.perf_counter() - t:.1f} s: chunk {walk.config.chunk}, stride "
+        f"{walk.plan.stride}, store {walk.config.cache_type}, accumulators "
+        f"{walk.config.accumulator_dtype}, inputs kept {walk.keep}, estimate "
+        f"{full / GIB if est else 0:.2f} GiB",
+        flush=True,
+    )
     phases = watch_phases(walk)
     layers = clock(walk, phases) if profile else None
     ran = time.perf_counter()
@@ -176,6 +183,7 @@ def watch_phases(walk) -> dict:
     seconds = phases.setdefault("seconds", {})
     active = phases.setdefault("active after", {})  # what stays allocated past each chunk
     decode, train_chunk = walk.decode_forward, walk.train_chunk
+    t0 = time.perf_counter()
 
     def timed_decode():
         mx.reset_peak_memory()
@@ -184,6 +192,7 @@ def watch_phases(walk) -> dict:
         phases["decode"] = round(mx.get_peak_memory() / GIB, 2)
         phases["after decode (active)"] = round(mx.get_active_memory() / GIB, 2)
         seconds["decode"] = round(time.perf_counter() - t, 1)
+        print(f"  decode {seconds['decode']} s, peak {phases['decode']} GiB", flush=True)
 
     def timed_chunk(chunk, *args):
         mx.reset_peak_memory()
@@ -192,6 +201,8 @@ def watch_phases(walk) -> dict:
         phases[f"chunk {chunk.index}"] = round(mx.get_peak_memory() / GIB, 2)
         seconds[f"chunk {chunk.index}"] = round(time.perf_counter() - t, 2)
         active[f"chunk {chunk.index}"] = round(mx.get_active_memory() / GIB, 2)
+        if chunk.index % 32 == 0:  # progress, for a run cut short
+            print(f"  chunk {chunk.index} trained, {time.perf_counter() - t0:.1f} s in", flush=True)
         return out
 
     walk.decode_forward, walk.train_chunk = timed_decode, timed_chunk
