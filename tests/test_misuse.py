@@ -88,10 +88,15 @@ def test_a_swallowed_ctrl_c_at_the_first_window_stops_an_overwrite(
         except KeyboardInterrupt:
             pass
 
-    at_step(monkeypatch, 1, swallowed)
-    code = cli.main(
-        [str(a) for a in train_args(qwen2_path, chats, out, "--iters", 2, "--overwrite")]
-    )
+    # Ctrl-C handled as at a terminal: a background job (nohup, `&`) inherits SIGINT ignored
+    at_terminal = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        at_step(monkeypatch, 1, swallowed)
+        code = cli.main(
+            [str(a) for a in train_args(qwen2_path, chats, out, "--iters", 2, "--overwrite")]
+        )
+    finally:
+        signal.signal(signal.SIGINT, at_terminal)
     err = capsys.readouterr().err
     assert code == 130, err
     assert err.strip().endswith("interrupted before the first window finished; nothing was saved")
