@@ -28,13 +28,17 @@ class Footprint:
     """What the plan needs to know of a model, as plain numbers.
 
     kv_width: elements per position of every attention layer's K and V together.
-    state_bytes: bytes of every recurrent layer's state at one chunk boundary.
+    state_bytes: bytes of the recurrent states held at one chunk boundary (every recurrent
+        layer's, or those the reverse pass reads: walk/exact.py `to_hold`).
     tapped_width: kv_width of the attention layers whose K/V carry a gradient (None: all).
+    whole_state_bytes: every recurrent layer's state, held whole for the last chunk (it is not
+        decoded forward, so it runs from its whole entry state); None: state_bytes.
     """
 
     kv_width: int
     state_bytes: int = 0
     tapped_width: int | None = None
+    whole_state_bytes: int | None = None
 
     @property
     def recurrent(self) -> bool:
@@ -230,7 +234,9 @@ def checkpoint_bytes(n_chunks: int, stride: int, footprint: Footprint) -> int:
     entering chunk 0 is zero); the binomial schedule (checkpoints.py) places them."""
     if not footprint.recurrent:
         return 0
-    return (math.ceil(n_chunks / stride) - 1) * footprint.state_bytes
+    whole = footprint.whole_state_bytes
+    last = max(whole - footprint.state_bytes, 0) if whole is not None and n_chunks > 1 else 0
+    return (math.ceil(n_chunks / stride) - 1) * footprint.state_bytes + last
 
 
 def stride_for(

@@ -191,10 +191,14 @@ def test_count_grows_with_the_window():
     model = hybrid(TINY, trained=3)
     layout, stem = arch.inspect(model), arch.stem(model)
 
-    def total(n: int) -> int:
+    def total(n: int, keep: str = "stem") -> int:
         plan = plan_window([1.0] * n, 128, layout.footprint(stem), follow_runs=False)
-        return buffers.count(model, layout, plan, "bfloat16", stem, "stem", graph=0).total
+        return buffers.count(model, layout, plan, "bfloat16", stem, keep, graph=0).total
 
-    per_chunk = sum(len(s) for s in layout.state_shapes) + 1  # a checkpoint, a kept input
-    assert total(1280) - total(640) == 5 * per_chunk
+    shapes = zip(layout.recurrent, layout.state_shapes)
+    trained = sum(len(s) for i, s in shapes if i >= stem)
+    # a checkpoint (the trained layers' states: the stem's output is kept), a kept input
+    assert total(1280) - total(640) == 5 * (trained + 1)
+    # no inputs kept: every recurrent layer's state is held
+    assert total(1280, "off") - total(640, "off") == 5 * sum(len(s) for s in layout.state_shapes)
     assert sum(1 for _ in tree_flatten(model.parameters())) > 0

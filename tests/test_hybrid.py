@@ -1,8 +1,11 @@
 """The exact walk on the bundled gated delta-net hybrid: every row, and the checkpoint schedule."""
 
-import numpy as np
+from dataclasses import replace
 
-from mlxwalk.commands.walk_exact import Table
+import numpy as np
+import pytest
+
+from mlxwalk.commands.walk_exact import Table, upper_layers_only
 from mlxwalk.grading import BARS, EXACT, compare
 from mlxwalk.walk import ExactWalk, WalkConfig, Window, window_gradient
 
@@ -36,4 +39,38 @@ def test_the_schedule_re_decodes_as_planned_within_its_slots(hybrid):
     assert again[0] == walk.plan.decoded_again() > 0
     assert held[0] <= walk.plan.slots + 1
     _, one = window_gradient(hybrid, ids[:-1], ids[1:], np.ones(n), chunk=n, walk="one-graph")
+    assert BARS[EXACT](*compare(grads, one))
+
+
+@pytest.mark.parametrize("keep", ["stem", "all", "off"])
+def test_with_the_stems_output_kept_a_re_decode_runs_the_trained_layers_alone(hybrid, keep):
+    """With a stem and its output kept, the reverse pass re-decodes a chunk from that output
+    through the trained layers only, and holds the trained layers' states alone (a stem layer's
+    is never read again); with nothing kept, every layer runs and every state is held. The
+    gradient is one graph's either way."""
+    n, chunk = 160, 16  # 10 chunks
+    ids = np.random.default_rng(6).integers(0, 256, n + 1)
+    window = Window.of(ids[:-1], ids[1:], np.ones(n))
+    config = WalkConfig(chunk=chunk, recompute=True, keep_inputs="on" if keep == "all" else keep)
+    with upper_layers_only(hybrid, 3):  # stem: recurrent, recurrent, attention
+        free = ExactWalk(hybrid, window, config).plan
+        budget = (free.accumulator_bytes + free.checkpoint_bytes // 3) / 2**20
+        walk = ExactWalk(hybrid, window, replace(config, host_budget_mib=budget))
+        assert walk.keep == keep and walk.stem == 3 and walk.plan.decoded_again() > 0
+        heard, states = [], []
+        walk.layers.clock = lambda what, seconds: heard.append(what)
+        let_go = walk.let_go
+
+        def watched(c):  # the states held as each chunk is trained, the one it ran from aside
+            states.extend(held for i, held in walk.checkpoints.items() if i != c.index)
+            let_go(c)
+
+        walk.let_go = watched
+        _, grads = walk.run()
+        _, one = window_gradient(hybrid, ids[:-1], ids[1:], np.ones(n), chunk=n, walk="one-graph")
+    decodes = sum(w.startswith("decode") for w in heard)  # the forward decode's, then again
+    layers = 6 if keep == "off" else 3
+    assert decodes == 6 * (len(walk.plan.chunks) - 1) + layers * walk.plan.decoded_again()
+    assert states  # the stem's two recurrent layers' states are held only with nothing kept
+    assert all([s is None for s in held] == [keep != "off"] * 2 + [False] * 2 for held in states)
     assert BARS[EXACT](*compare(grads, one))

@@ -88,6 +88,11 @@ class Admission:
             return "stem" if self.stem else "off"
         return "all"
 
+    def states_from(self) -> int:
+        """The first layer whose recurrent state the reverse pass reads: with the stem's output
+        kept, a re-decode starts there and the stem's states are never held (0: every layer's)."""
+        return self.stem if self.keep in ("all", "stem") else 0
+
     def head_mode(self) -> str:
         """An untied quantized head's products: auto is dequantized until a budget says
         otherwise ("as is": no head the walk would dequantize)."""
@@ -99,7 +104,7 @@ class Admission:
         return plan_window(
             self.window.labels,
             self.config.chunk,
-            self.layout.footprint(self.stem),
+            self.layout.footprint(self.stem, self.states_from()),
             horizon=self.config.horizon,
             host_budget=host_budget,
             accumulator_element_bytes=ACCUMULATOR_DTYPES[self.config.accumulator_dtype].size,
@@ -325,7 +330,7 @@ class Admission:
         (docs/BENCHMARKS.md); the binomial schedule re-decodes 1,169 there."""
         layers = len(self.layout.kinds)
         chunks = self.plan.reverse()
-        again = self.plan.decoded_again() * layers if self.recurrent else 0
+        again = self.plan.decoded_again() * (layers - self.states_from()) if self.recurrent else 0
         if self.config.recompute and self.keep != "all":
             again += len(chunks) * (layers - self.stem if self.keep == "stem" else layers)
         return again

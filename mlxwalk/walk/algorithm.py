@@ -122,12 +122,12 @@ class ExactAlgorithm(WalkAlgorithm):
         last = chunks[-1]  # no later chunk reads its K/V or state: not decoded
         for run in self.decode_runs(chunks[:-1]):
             if self.plan.checkpointed(run[0].index):
-                self.checkpoints[run[0].index] = state
+                self.checkpoints[run[0].index] = self.to_hold(state)
             state = self.decode_run(run, state)
             for chunk in run:
                 self.tick("decode", chunk.index + 1, len(chunks))
         if self.recurrent and last.index > 0:  # the reverse pass trains it first, from this
-            self.checkpoints[last.index] = state
+            self.checkpoints[last.index] = state  # whole: not decoded, its stem runs
         self.tick("decode", last.index + 1, len(chunks))
 
     def decode_runs(self, chunks) -> list[list[Chunk]]:
@@ -163,10 +163,18 @@ class ExactAlgorithm(WalkAlgorithm):
         state = self.checkpoints[source] if source in self.checkpoints else self.zero_state()
         keeps = self.plan.schedule.keeps.get(chunk.index, ())
         for c in self.plan.chunks[source : chunk.index]:
-            state = self.decode(c, state, write=False)
+            state = self.redecode(c, state)
             if c.index + 1 in keeps:
                 self.checkpoints[c.index + 1] = state
         return state
+
+    def to_hold(self, state):
+        """What of a recurrent state the reverse pass needs (a framework may hold less)."""
+        return state
+
+    def redecode(self, chunk: Chunk, state):
+        """A chunk decoded again in the reverse pass, for the state leaving it."""
+        return self.decode(chunk, state, write=False)
 
     def let_go(self, chunk: Chunk) -> None:
         """Trained: the states entering it and later chunks are needed no more (their slots

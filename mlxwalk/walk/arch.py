@@ -51,18 +51,25 @@ class Layout:
         """Every attention layer's K and V head dimensions."""
         return tuple(sorted({d for _, dk, dv in self.kv_shapes for d in (dk, dv)}))
 
-    def footprint(self, stem: int = 0) -> Footprint:
-        """The plan's numbers; with a stem, only the attention layers above it are tapped."""
+    def footprint(self, stem: int = 0, states_from: int = 0) -> Footprint:
+        """The plan's numbers; with a stem, only the attention layers above it are tapped; the
+        states held are the recurrent layers' from `states_from` on (walk/exact.py `held`)."""
         width = sum(h * (dk + dv) for h, dk, dv in self.kv_shapes)
         tapped = sum(
             h * (dk + dv) for i, (h, dk, dv) in zip(self.attention, self.kv_shapes) if i >= stem
         )
-        state = sum(
-            _numel(s) * d.size
-            for shapes, dtypes in zip(self.state_shapes, self.state_dtypes)
-            for s, d in zip(shapes, dtypes)
+        sizes = [
+            (i, sum(_numel(s) * d.size for s, d in zip(shapes, dtypes)))
+            for i, shapes, dtypes in zip(self.recurrent, self.state_shapes, self.state_dtypes)
+        ]
+        held = sum(n for i, n in sizes if i >= states_from)
+        whole = sum(n for _, n in sizes)
+        return Footprint(
+            kv_width=width,
+            state_bytes=held,
+            tapped_width=tapped,
+            whole_state_bytes=whole if held < whole else None,
         )
-        return Footprint(kv_width=width, state_bytes=state, tapped_width=tapped)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

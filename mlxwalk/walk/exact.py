@@ -49,10 +49,10 @@ class ExactWalk(ChunkRunner, admission.Admission, ExactAlgorithm):
     ):
         super().__init__(model, window, config, layout)
         self.graphs = graphs
+        self.keep = self.keep_mode()  # "all", "stem" or "off": which layer inputs are kept
         self.plan = self.make_plan(self.config.host_budget)
         self.checkpoints: dict[int, State] = {}
         self.kept: dict[int, list[mx.array]] = {}  # per decoded chunk, its layers' inputs
-        self.keep = self.keep_mode()  # "all", "stem" or "off": which layer inputs are kept
         self.head_products = self.head_mode()  # "dequantized", "quantized" or "as is"
         self.horizon_used = self.config.horizon  # narrowed per chunk if the memory budget asks
         self.remedies = (
@@ -148,6 +148,24 @@ class ExactWalk(ChunkRunner, admission.Admission, ExactAlgorithm):
         mx.eval(kept)
         self.kept[chunk.index] = kept
         return state
+
+    def to_hold(self, state: State) -> State:
+        """The trained layers' states alone where the stem's output is kept: the reverse pass
+        re-decodes from there (`redecode`) and never reads a stem layer's state."""
+        start = self.states_from()
+        if not start or state is None:
+            return state
+        return [None if i < start else s for i, s in zip(self.layout.recurrent, state)]
+
+    def redecode(self, chunk: Chunk, state: State) -> State:
+        """A chunk decoded again for its exit state: from its kept stem output through the
+        trained layers alone, where it is kept (a quarter of the 27B shape's layers)."""
+        if not self.states_from():
+            return self.decode(chunk, state, write=False)
+        kept = self.kept[chunk.index]
+        stem_output = kept[0] if self.keep == "stem" else kept[self.stem]
+        with self.layers.resuming(stem_output):
+            return self.to_hold(self.decode(chunk, state, write=False))
 
     def start_reverse(self) -> None:
         lay = self.layout

@@ -108,6 +108,8 @@ class ChunkState:
 
     `entry` is the state entering the chunk (a tap when `tapped`); after the layer runs, the
     cache holds the chunk's exit state, and `adjoint` is dL/d(exit state) from the next chunk.
+    `entry` None: a stem layer's state that the reverse pass never reads (the stem's output is
+    kept), so its layer never runs on this cache.
     """
 
     lengths = None
@@ -121,8 +123,8 @@ class ChunkState:
         layers: Layers | None = None,
     ):
         self.layers = layers or Layers()  # how the layer reading this cache runs
-        self.entry = list(entry)
-        self.cache = list(entry)
+        self.entry = None if entry is None else list(entry)
+        self.cache = self.entry and list(self.entry)
         self.tapped = tapped
         self.adjoint = adjoint
         self.surrogate_value: mx.array = mx.array(0.0)
@@ -140,7 +142,7 @@ class ChunkState:
         # Every call starts from the entry state: a recomputed layer must not see its own exit.
         if inputs:
             self.entry = list(inputs)
-        self.cache = list(self.entry)
+        self.cache = self.entry and list(self.entry)
 
     def advance(self, n: int) -> None:
         pass
@@ -153,8 +155,8 @@ class ChunkState:
             return mx.array(0.0)
         return sum((inner(s, g) for s, g in zip(self.cache, self.adjoint)), mx.array(0.0))
 
-    def produced(self) -> list[mx.array]:
-        return list(self.cache)
+    def produced(self) -> list[mx.array] | None:
+        return self.cache and list(self.cache)
 
 
 ChunkCache = (ChunkKV, ChunkState)
@@ -280,6 +282,23 @@ class Replaying(Direct):
 
 
 @dataclass
+class Resuming(Direct):
+    """A re-decode from the stem's kept output: the stem's layers don't run (their states are
+    never read again) and the trained layers run as `then` says."""
+
+    stem_output: mx.array
+    then: Direct = field(default_factory=Direct)
+
+    def run(self, layers: Layers, c: LayerCall, frozen: bool) -> mx.array:
+        if frozen:
+            return self.stem_output
+        return self.then.run(layers, c, frozen)
+
+    def eager(self) -> Mode:
+        return replace(self, then=Eager())
+
+
+@dataclass
 class Keeping:
     """A decode that keeps each layer's input, and the last layer's output after them, while
     `then` runs the layer (never checkpointed: the decode has no gradient); `stem_only`: the
@@ -374,6 +393,11 @@ class Layers:
         after them: the list the reverse pass replays. `stem_only`: the stem's output alone."""
         with self._use(Keeping([], stem_only)) as mode:
             yield mode.kept
+
+    def resuming(self, stem_output: mx.array):
+        """Within the block (a re-decode), the stem's layers don't run: the first trained layer
+        reads `stem_output`, the stem's output kept from the decode."""
+        return self._use(Resuming(stem_output))
 
     @contextmanager
     def replaying(self, kept: list) -> Iterator[list[LayerCall]]:
