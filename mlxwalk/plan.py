@@ -231,12 +231,17 @@ def accumulator_bytes(positions: int, footprint: Footprint, element_bytes: int =
 
 def checkpoint_bytes(n_chunks: int, stride: int, footprint: Footprint) -> int:
     """Recurrent states the walk holds: one per stride of chunks but the first (the state
-    entering chunk 0 is zero); the binomial schedule (checkpoints.py) places them."""
+    entering chunk 0 is zero), placed by the binomial schedule (checkpoints.py), and beside them,
+    while the last chunk trains, the whole state entering it (handed over by the decode)."""
     if not footprint.recurrent:
         return 0
+    if n_chunks < 2:
+        return 0
+    slots = math.ceil(n_chunks / stride) - 1
     whole = footprint.whole_state_bytes
-    last = max(whole - footprint.state_bytes, 0) if whole is not None and n_chunks > 1 else 0
-    return (math.ceil(n_chunks / stride) - 1) * footprint.state_bytes + last
+    whole = footprint.state_bytes if whole is None else whole
+    # the last chunk's state is a slot of the forward only where every chunk's is (stride 1)
+    return min(slots, n_chunks - 2) * footprint.state_bytes + whole
 
 
 def stride_for(

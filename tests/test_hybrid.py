@@ -57,12 +57,14 @@ def test_with_the_stems_output_kept_a_re_decode_runs_the_trained_layers_alone(hy
         budget = (free.accumulator_bytes + free.checkpoint_bytes // 3) / 2**20
         walk = ExactWalk(hybrid, window, replace(config, host_budget_mib=budget))
         assert walk.keep == keep and walk.stem == 3 and walk.plan.decoded_again() > 0
-        heard, states = [], []
+        heard, states, held_bytes = [], [], []
         walk.layers.clock = lambda what, seconds: heard.append(what)
         let_go = walk.let_go
 
         def watched(c):  # the states held as each chunk is trained, the one it ran from aside
             states.extend(held for i, held in walk.checkpoints.items() if i != c.index)
+            arrays = [a for held in walk.checkpoints.values() for s in held if s for a in s]
+            held_bytes.append(sum(a.nbytes for a in arrays))
             let_go(c)
 
         walk.let_go = watched
@@ -72,5 +74,6 @@ def test_with_the_stems_output_kept_a_re_decode_runs_the_trained_layers_alone(hy
     layers = 6 if keep == "off" else 3
     assert decodes == 6 * (len(walk.plan.chunks) - 1) + layers * walk.plan.decoded_again()
     assert states  # the stem's two recurrent layers' states are held only with nothing kept
+    assert max(held_bytes) == held_bytes[0] == walk.plan.checkpoint_bytes  # the estimate's
     assert all([s is None for s in held] == [keep != "off"] * 2 + [False] * 2 for held in states)
     assert BARS[EXACT](*compare(grads, one))

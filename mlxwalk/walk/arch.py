@@ -68,7 +68,7 @@ class Layout:
             kv_width=width,
             state_bytes=held,
             tapped_width=tapped,
-            whole_state_bytes=whole if held < whole else None,
+            whole_state_bytes=whole,
         )
 
 
