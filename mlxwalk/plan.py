@@ -31,14 +31,11 @@ class Footprint:
     state_bytes: bytes of the recurrent states held at one chunk boundary (every recurrent
         layer's, or those the reverse pass reads: walk/exact.py `to_hold`).
     tapped_width: kv_width of the attention layers whose K/V carry a gradient (None: all).
-    whole_state_bytes: every recurrent layer's state, held whole for the last chunk (it is not
-        decoded forward, so it runs from its whole entry state); None: state_bytes.
     """
 
     kv_width: int
     state_bytes: int = 0
     tapped_width: int | None = None
-    whole_state_bytes: int | None = None
 
     @property
     def recurrent(self) -> bool:
@@ -232,16 +229,14 @@ def accumulator_bytes(positions: int, footprint: Footprint, element_bytes: int =
 def checkpoint_bytes(n_chunks: int, stride: int, footprint: Footprint) -> int:
     """Recurrent states the walk holds: one per stride of chunks but the first (the state
     entering chunk 0 is zero), placed by the binomial schedule (checkpoints.py), and beside them,
-    while the last chunk trains, the whole state entering it (handed over by the decode)."""
+    while the last chunk trains, the state entering it (handed over by the decode)."""
     if not footprint.recurrent:
         return 0
     if n_chunks < 2:
         return 0
     slots = math.ceil(n_chunks / stride) - 1
-    whole = footprint.whole_state_bytes
-    whole = footprint.state_bytes if whole is None else whole
     # the last chunk's state is a slot of the forward only where every chunk's is (stride 1)
-    return min(slots, n_chunks - 2) * footprint.state_bytes + whole
+    return (min(slots, n_chunks - 2) + 1) * footprint.state_bytes
 
 
 def stride_for(

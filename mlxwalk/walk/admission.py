@@ -311,7 +311,11 @@ class Admission:
         est = self.measure(self.plan)
         if est.total > device and self.layout.recurrent and self.config.host_budget is None:
             for graph in (est.graph, self.least_graph()):
-                room = device - (est.total - est.host - est.graph + graph)
+                # the host's room in the reverse pass, and the checkpoints' in the decode
+                room = min(
+                    device - (est.reverse - est.host - est.graph + graph),
+                    device - (est.decode - est.checkpoints) + est.accumulators,
+                )
                 try:  # fewer checkpoints, the states between them re-decoded in reverse
                     self.plan = self.make_plan(max(room, 0))
                 except OutOfMemory:
@@ -365,7 +369,14 @@ class Admission:
     def measure(self, plan) -> budget.Estimate:
         """The estimate for `plan`, with whatever else MLX holds now beyond the model's weights and
         the adapter's share (arrays the walk can't know of count against the budget too)."""
-        est = budget.estimate(self.model, self.layout, self.acts, plan, self.config.cache_type)
+        est = budget.estimate(
+            self.model,
+            self.layout,
+            self.acts,
+            plan,
+            self.config.cache_type,
+            skipped=self.states_from(),
+        )
         inputs = self.inputs_bytes(plan)
         resident = max(0, mx.get_active_memory() - est.weights - est.adapter)
         return replace(est, resident=resident, inputs=inputs)
@@ -373,7 +384,9 @@ class Admission:
     def inputs_bytes(self, plan) -> int:
         if self.keep == "off":
             return 0
-        return budget.inputs_bytes(self.layout, plan, self.stem, stem_only=self.keep == "stem")
+        return budget.inputs_bytes(
+            self.layout, plan, self.stem, self.keep == "stem", last=bool(self.states_from())
+        )
 
     def held(self) -> int:
         """What this walk holds besides a chunk's graph: its store, accumulators, checkpoints and
@@ -386,9 +399,17 @@ class Admission:
             self.plan,
             self.config.cache_type,
         )
-        if self.filled:
+        if self.filled:  # (whose decode decodes nothing, so it keeps no stem output)
             entry = sum(a.nbytes for layer in self.zero_state() or [] for a in layer)
             return est.store + est.accumulators + entry
+        est = budget.estimate(
+            self.model,
+            self.layout,
+            Activations(self.plan.chunk, 0, 0),
+            self.plan,
+            self.config.cache_type,
+            skipped=self.states_from(),
+        )
         inputs = self.inputs_bytes(self.plan)
         return est.store + est.accumulators + est.checkpoints + inputs
 

@@ -119,25 +119,38 @@ class ExactAlgorithm(WalkAlgorithm):
             return
         state = self.zero_state()
         chunks = self.plan.chunks
-        last = chunks[-1]  # no later chunk reads its K/V or state: not decoded
-        for run in self.decode_runs(chunks[:-1]):
-            if self.plan.checkpointed(run[0].index):
+        last = chunks[-1]  # no later chunk reads its K/V or state: decoded only for its inputs
+        whole = self.skips_stem()
+        for run in self.decode_runs(chunks if whole else chunks[:-1]):
+            if self.recurrent and (self.plan.checkpointed(run[0].index) or run[0] is last):
                 self.checkpoints[run[0].index] = self.to_hold(state)
             state = self.decode_run(run, state)
             for chunk in run:
                 self.tick("decode", chunk.index + 1, len(chunks))
-        if self.recurrent and last.index > 0:  # the reverse pass trains it first, from this
-            self.checkpoints[last.index] = state  # whole: not decoded, its stem runs
+        if whole:
+            self.drop_stem_store()
+        elif self.recurrent and last.index > 0:  # the reverse pass trains it first, from this
+            self.checkpoints[last.index] = state
         self.tick("decode", last.index + 1, len(chunks))
+
+    def skips_stem(self) -> bool:
+        """Whether no stem layer runs in the reverse pass (a framework that keeps the stem's
+        output): then the decode takes the last chunk too, for its stem output, and the stem's
+        part of the store goes once the decode is done (`drop_stem_store`)."""
+        return False
+
+    def drop_stem_store(self) -> None:
+        """The stem's K/V, read by no one once the decode is done."""
 
     def decode_runs(self, chunks) -> list[list[Chunk]]:
         """The decode's runs: consecutive chunks decoded at once, up to `run_chunks()` of them,
         a run starting wherever a recurrent state checkpoint is kept (only a run's entry state
-        exists)."""
+        exists), the last chunk's among them."""
         runs: list[list[Chunk]] = []
         most = max(1, self.run_chunks())
+        last = self.plan.chunks[-1]
         for chunk in chunks:
-            kept = self.recurrent and self.plan.checkpointed(chunk.index)
+            kept = self.recurrent and (self.plan.checkpointed(chunk.index) or chunk is last)
             if not runs or len(runs[-1]) == most or kept:
                 runs.append([])
             runs[-1].append(chunk)

@@ -58,18 +58,13 @@ class Layout:
         tapped = sum(
             h * (dk + dv) for i, (h, dk, dv) in zip(self.attention, self.kv_shapes) if i >= stem
         )
-        sizes = [
-            (i, sum(_numel(s) * d.size for s, d in zip(shapes, dtypes)))
+        state = sum(
+            _numel(s) * d.size
             for i, shapes, dtypes in zip(self.recurrent, self.state_shapes, self.state_dtypes)
-        ]
-        held = sum(n for i, n in sizes if i >= states_from)
-        whole = sum(n for _, n in sizes)
-        return Footprint(
-            kv_width=width,
-            state_bytes=held,
-            tapped_width=tapped,
-            whole_state_bytes=whole,
+            if i >= states_from
+            for s, d in zip(shapes, dtypes)
         )
+        return Footprint(kv_width=width, state_bytes=state, tapped_width=tapped)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -36,6 +36,9 @@ class Estimate:
     graph: int
     resident: int = 0  # what else MLX holds when the walk starts (measured at its start)
     inputs: int = 0  # the decoder layers' inputs kept from the decode (--keep-inputs)
+    # the stem's attention layers' K/V, held through the decode alone where the reverse pass runs
+    # no stem layer (the stem's output kept: walk/exact.py `drop_stem_store`); `store` is the rest
+    stem_store: int = 0
 
     @property
     def device(self) -> int:
@@ -47,8 +50,20 @@ class Estimate:
         return self.accumulators + self.checkpoints
 
     @property
-    def total(self) -> int:
+    def reverse(self) -> int:
+        """The reverse pass's memory, at its first chunk."""
         return self.weights + self.adapter + self.resident + self.device + self.host
+
+    @property
+    def decode(self) -> int:
+        """The decode's memory at its end (no accumulators yet; its own chunk's activations are
+        not counted, as they never were)."""
+        held = self.store + self.stem_store + self.inputs + self.checkpoints
+        return self.weights + self.adapter + self.resident + held
+
+    @property
+    def total(self) -> int:
+        return max(self.reverse, self.decode)
 
     def lines(self) -> list[str]:
         inputs = [("device: inputs", self.inputs, "layer inputs kept from the decode")]
@@ -56,6 +71,11 @@ class Estimate:
             *model_rows(self, "other arrays"),
             ("device: graph", self.graph, "one chunk, at the last chunk's taps"),
             ("device: K/V store", self.store, ""),
+            *(
+                [("device: stem K/V", self.stem_store, "the decode's alone")]
+                if self.stem_store
+                else []
+            ),
             *(inputs if self.inputs else []),
             ("host: accumulators", self.accumulators, ""),
             ("host: checkpoints", self.checkpoints, ""),
@@ -68,11 +88,13 @@ def nbytes(tree) -> int:
     return sum(v.nbytes for _, v in tree_flatten(tree))
 
 
-def store_bytes(layout, positions: int, cache_type: str) -> int:
+def store_bytes(layout, positions: int, cache_type: str, layers=None) -> int:
+    """The K/V store's bytes; `layers`: only the attention layers (model indices) it holds."""
     return int(
         sum(
             h * (dk + dv) * kvstore.element_bytes(cache_type, dk, layout.dtype) * positions
-            for h, dk, dv in layout.kv_shapes
+            for i, (h, dk, dv) in zip(layout.attention, layout.kv_shapes)
+            if layers is None or i in layers
         )
     )
 
@@ -84,25 +106,31 @@ def estimate(
     plan,
     cache_type: str,
     optimizer_factor: int = 4,  # the adapter, its gradient and Adam's two moments
+    skipped: int = 0,
 ) -> Estimate:
-    """The walk's memory for `plan`, at its last chunk (the one with the most taps)."""
+    """The walk's memory for `plan`, at its last chunk (the one with the most taps). `skipped`:
+    the stem's layers, which the reverse pass never runs (their K/V held through the decode)."""
     last = plan.chunks[-1]
     taps = last.start - last.grad_from
     trainable = nbytes(model.trainable_parameters())
+    stem = set(range(skipped))
     return Estimate(
         weights=nbytes(model.parameters()) - trainable,
         adapter=trainable * optimizer_factor,
-        store=store_bytes(layout, plan.computed, cache_type),
+        stem_store=store_bytes(layout, plan.computed, cache_type, stem) if skipped else 0,
+        store=store_bytes(
+            layout, plan.computed, cache_type, None if not skipped else set(layout.attention) - stem
+        ),
         accumulators=plan.accumulator_bytes,
         checkpoints=plan.checkpoint_bytes,
         graph=graph_bytes(acts, layout.footprint(), taps, last.start),
     )
 
 
-def inputs_bytes(layout, plan, stem: int = 0, stem_only: bool = False) -> int:
+def inputs_bytes(layout, plan, stem: int = 0, stem_only: bool = False, last: bool = False) -> int:
     """The inputs of the decoder layers above the stem (and the last one's output) over every
-    decoded chunk; `stem_only`: the stem's output alone."""
-    decoded = plan.chunks[-1].start  # the last chunk is not decoded
+    decoded chunk; `stem_only`: the stem's output alone; `last`: the last chunk is decoded too."""
+    decoded = plan.chunks[-1].end if last else plan.chunks[-1].start
     arrays = 1 if stem_only else len(layout.kinds) - stem + 1
     return arrays * layout.hidden * decoded * layout.dtype.size
 

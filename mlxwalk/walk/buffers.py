@@ -119,7 +119,8 @@ def count(
         adapter=trainable,
         optimizer=optimizer[0] * trainable + optimizer[1],
         gradients=2 * trainable if len(plan.chunks) > 1 else trainable,
-        store=2 * attention * (3 if cache_type == "q8" else 1),
+        # (with the stem's output kept, the stem's K/V go after the decode: walk/exact.py)
+        store=2 * (attention if keep == "off" else tapped) * (3 if cache_type == "q8" else 1),
         # the state adjoints entering the chunk and those it makes (the first chunk takes none)
         accumulators=2 * tapped + above * min(len(plan.chunks) - 1, 2),
         # (with the stem's output kept, the trained layers' states alone: walk/exact.py `held`)

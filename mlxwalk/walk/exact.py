@@ -73,7 +73,7 @@ class ExactWalk(ChunkRunner, admission.Admission, ExactAlgorithm):
         return None if self.estimate is None else self.config.device_budget / MIB
 
     def fits(self, chunk: Chunk, taps: int) -> bool:
-        rest = self.estimate.total - self.estimate.graph
+        rest = self.estimate.reverse - self.estimate.graph
         return rest + self.graph_bytes(taps, chunk.start) <= self.config.device_budget
 
     def run(self, chunks: int | None = None) -> tuple[mx.array, dict]:
@@ -148,6 +148,18 @@ class ExactWalk(ChunkRunner, admission.Admission, ExactAlgorithm):
         mx.eval(kept)
         self.kept[chunk.index] = kept
         return state
+
+    def skips_stem(self) -> bool:
+        return bool(self.states_from())
+
+    def drop_stem_store(self) -> None:
+        """The stem's attention layers' K/V go once the decode is done: the reverse pass runs
+        no stem layer (each chunk starts from its kept stem output), so none reads them. Their
+        buffers go back to the system, not to MLX's cache, which would keep them counted."""
+        for a, layer in enumerate(self.layout.attention):
+            if layer < self.stem:
+                self.store.keys[a] = self.store.values[a] = None
+        mx.clear_cache()
 
     def to_hold(self, state: State) -> State:
         """The trained layers' states alone where the stem's output is kept: the reverse pass
