@@ -44,7 +44,7 @@ def test_with_a_stem_skipped_the_estimate_is_the_larger_phase_within_15_percent(
         assert walk.skips_stem()
         walk.acts = probe(model, config)
         est = walk.measure(walk.plan)
-        assert est.stem_store > 0 and est.total == max(est.decode, est.reverse)
+        assert est.stem_store > 0 and est.total == max(est.decoding, est.reversing)
         measured = budget.live_peak(walk.run)
     predicted = est.total - est.weights - est.resident  # loaded before the measurement
     assert abs(predicted / measured - 1) <= 0.15, (predicted / MIB, measured / MIB)

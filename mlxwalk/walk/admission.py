@@ -313,8 +313,8 @@ class Admission:
             for graph in (est.graph, self.least_graph()):
                 # the host's room in the reverse pass, and the checkpoints' in the decode
                 room = min(
-                    device - (est.reverse - est.host - est.graph + graph),
-                    device - (est.decode - est.checkpoints) + est.accumulators,
+                    device - (est.reversing - est.host - est.graph + graph),
+                    device - (est.decoding - est.checkpoints) + est.accumulators,
                 )
                 try:  # fewer checkpoints, the states between them re-decoded in reverse
                     self.plan = self.make_plan(max(room, 0))

@@ -50,12 +50,12 @@ class Estimate:
         return self.accumulators + self.checkpoints
 
     @property
-    def reverse(self) -> int:
+    def reversing(self) -> int:
         """The reverse pass's memory, at its first chunk."""
         return self.weights + self.adapter + self.resident + self.device + self.host
 
     @property
-    def decode(self) -> int:
+    def decoding(self) -> int:
         """The decode's memory at its end (no accumulators yet; its own chunk's activations are
         not counted, as they never were)."""
         held = self.store + self.stem_store + self.inputs + self.checkpoints
@@ -63,7 +63,7 @@ class Estimate:
 
     @property
     def total(self) -> int:
-        return max(self.reverse, self.decode)
+        return max(self.reversing, self.decoding)
 
     def lines(self) -> list[str]:
         inputs = [("device: inputs", self.inputs, "layer inputs kept from the decode")]

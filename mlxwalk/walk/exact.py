@@ -73,7 +73,7 @@ class ExactWalk(ChunkRunner, admission.Admission, ExactAlgorithm):
         return None if self.estimate is None else self.config.device_budget / MIB
 
     def fits(self, chunk: Chunk, taps: int) -> bool:
-        rest = self.estimate.reverse - self.estimate.graph
+        rest = self.estimate.reversing - self.estimate.graph
         return rest + self.graph_bytes(taps, chunk.start) <= self.config.device_budget
 
     def run(self, chunks: int | None = None) -> tuple[mx.array, dict]:
