@@ -52,7 +52,9 @@ def report(model, name: str, window: int, config: WalkConfig, echo=print) -> boo
         )
     # Without a budget nothing is probed: the graph's share is measured only when it matters.
     unmeasured = budget.Activations(config.chunk, 0.0, 0.0)
-    est = walk.estimate or budget.estimate(model, layout, unmeasured, plan, chosen.cache_type)
+    est = walk.estimate or budget.estimate(
+        model, layout, unmeasured, plan, chosen.cache_type, skipped=walk.states_from()
+    )
     if walk.keep != "off" and not est.inputs:  # --recompute's layer inputs, kept from the decode
         est = replace(est, inputs=walk.inputs_bytes(plan))
     for line in est.lines():

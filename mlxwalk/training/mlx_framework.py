@@ -85,7 +85,9 @@ def fits_machine(model, layout, walk, cfg) -> None:
 
     memory = machine.memory()
     unmeasured = budget.Activations(cfg.chunk, 0.0, 0.0)
-    est = budget.estimate(model, layout, unmeasured, walk.plan, walk.config.cache_type)
+    est = budget.estimate(
+        model, layout, unmeasured, walk.plan, walk.config.cache_type, skipped=walk.states_from()
+    )
     if walk.keep != "off" and not est.inputs:
         est = replace(est, inputs=walk.inputs_bytes(walk.plan))
     if memory.bytes is None or est.total <= memory.bytes:

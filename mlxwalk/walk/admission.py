@@ -398,18 +398,12 @@ class Admission:
             Activations(self.plan.chunk, 0, 0),
             self.plan,
             self.config.cache_type,
+            # a filled walk decodes nothing, so it keeps no stem output and lets no K/V go
+            skipped=0 if self.filled else self.states_from(),
         )
-        if self.filled:  # (whose decode decodes nothing, so it keeps no stem output)
+        if self.filled:
             entry = sum(a.nbytes for layer in self.zero_state() or [] for a in layer)
             return est.store + est.accumulators + entry
-        est = budget.estimate(
-            self.model,
-            self.layout,
-            Activations(self.plan.chunk, 0, 0),
-            self.plan,
-            self.config.cache_type,
-            skipped=self.states_from(),
-        )
         inputs = self.inputs_bytes(self.plan)
         return est.store + est.accumulators + est.checkpoints + inputs
 

@@ -53,7 +53,7 @@ class Layout:
 
     def footprint(self, stem: int = 0, states_from: int = 0) -> Footprint:
         """The plan's numbers; with a stem, only the attention layers above it are tapped; the
-        states held are the recurrent layers' from `states_from` on (walk/exact.py `held`)."""
+        states held are the recurrent layers' from `states_from` on (walk/exact.py `to_hold`)."""
         width = sum(h * (dk + dv) for h, dk, dv in self.kv_shapes)
         tapped = sum(
             h * (dk + dv) for i, (h, dk, dv) in zip(self.attention, self.kv_shapes) if i >= stem

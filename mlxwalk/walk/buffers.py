@@ -123,7 +123,7 @@ def count(
         store=2 * (attention if keep == "off" else tapped) * (3 if cache_type == "q8" else 1),
         # the state adjoints entering the chunk and those it makes (the first chunk takes none)
         accumulators=2 * tapped + above * min(len(plan.chunks) - 1, 2),
-        # (with the stem's output kept, the trained layers' states alone: walk/exact.py `held`)
+        # (with the stem's output kept, the trained layers' states alone: walk/exact.py `to_hold`)
         checkpoints=kept * (above if keep in ("all", "stem") else sum(states)),
         inputs=per_chunk * decoded,
         graph=graph_bound(layout, plan.chunk, last.start, stem) if graph is None else graph,
