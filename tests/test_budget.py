@@ -196,3 +196,18 @@ def test_the_probe_walk_decodes_nothing_and_measures_the_graph_a_decoding_walk_h
         graph[filled] = budget.live_peak(lambda run=run: run.run(chunks=1)) - run.held()
     assert decoded[True] == 0 and decoded[False] >= 5, decoded
     assert abs(graph[True] / graph[False] - 1) <= 0.05, (graph[True] / MIB, graph[False] / MIB)
+
+
+def test_the_estimate_is_the_larger_phase_and_its_lines_say_both():
+    """The decode's end holds the whole store and no graph; the reverse pass the graph and the
+    accumulators without the stem's K/V: the estimate is the larger, and its lines show both."""
+    parts = dict(weights=10, adapter=1, store=4, accumulators=4, checkpoints=1, inputs=2)
+    small = budget.Estimate(**parts, graph=20, stem_store=12)
+    large = budget.Estimate(**parts, graph=2, stem_store=12)
+    assert small.total == small.reversing == 42 and small.decoding == 30
+    assert large.total == large.decoding == 30 and large.reversing == 24
+    lines = [
+        line.split()[:2] for line in budget.Estimate(**parts, graph=2, stem_store=12 * MIB).lines()
+    ]
+    assert ["decode's", "end"] in lines and ["reverse", "pass"] in lines
+    assert not any("end" in line for line in budget.Estimate(**parts, graph=2).lines())

@@ -65,6 +65,14 @@ class Estimate:
     def total(self) -> int:
         return max(self.reversing, self.decoding)
 
+    def phases(self) -> list[tuple[str, int, str]]:
+        """The two phases' sums, shown where the stem's K/V is held through the decode alone."""
+        return [
+            ("decode's end", self.decoding, "everything but the graph and accumulators"),
+            ("reverse pass", self.reversing, "everything but the stem's K/V"),
+            ("total", self.total, "the larger of the two"),
+        ]
+
     def lines(self) -> list[str]:
         inputs = [("device: inputs", self.inputs, "layer inputs kept from the decode")]
         rows = [
@@ -79,7 +87,7 @@ class Estimate:
             *(inputs if self.inputs else []),
             ("host: accumulators", self.accumulators, ""),
             ("host: checkpoints", self.checkpoints, ""),
-            ("total", self.total, ""),
+            *(self.phases() if self.stem_store else [("total", self.total, "")]),
         ]
         return memory_lines(rows, 19)
 
