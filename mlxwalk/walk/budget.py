@@ -121,14 +121,12 @@ def estimate(
     last = plan.chunks[-1]
     taps = last.start - last.grad_from
     trainable = nbytes(model.trainable_parameters())
-    stem = set(range(skipped))
+    layers = len(layout.kinds)
     return Estimate(
         weights=nbytes(model.parameters()) - trainable,
         adapter=trainable * optimizer_factor,
-        stem_store=store_bytes(layout, plan.computed, cache_type, stem) if skipped else 0,
-        store=store_bytes(
-            layout, plan.computed, cache_type, None if not skipped else set(layout.attention) - stem
-        ),
+        stem_store=store_bytes(layout, plan.computed, cache_type, range(skipped)),
+        store=store_bytes(layout, plan.computed, cache_type, range(skipped, layers)),
         accumulators=plan.accumulator_bytes,
         checkpoints=plan.checkpoint_bytes,
         graph=graph_bytes(acts, layout.footprint(), taps, last.start),

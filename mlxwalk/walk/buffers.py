@@ -108,7 +108,9 @@ def count(
     tapped = sum(1 for i in layout.attention if i >= stem)
     states = [len(shapes) for shapes in layout.state_shapes]  # arrays per recurrent layer
     above = sum(n for i, n in zip(layout.recurrent, states) if i >= stem)
-    decoded = len(plan.chunks) - 1  # the last chunk is not decoded
+    # inputs kept at the second chunk: every chunk's but the last's (never decoded, or decoded
+    # for its stem output and let go once trained)
+    decoded = len(plan.chunks) - 1
     per_chunk = {"all": len(layout.kinds) - stem + 1, "stem": 1}.get(keep, 0)
     # the states held while the second chunk trains (the last's is let go), the schedule's count
     second = [c.index for c in plan.reverse()][:2]
