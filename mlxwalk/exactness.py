@@ -68,6 +68,7 @@ class Setting:
     recompute: str = ""
     upper_half: bool = False  # only the upper half of the layers' adapters train
     objective: str = "tokens"  # the window's mean loss, or "dpo": the table's pair's DPO loss
+    head: str = "auto"  # an untied quantized head's products: "sliced", its vocabulary in slices
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,13 @@ ROWS = (
         EXACT,
         Setting(placement="host"),
         EVERY,
+    ),
+    Spec(
+        "(1d)",
+        "untied head, its vocabulary in slices: exact vs one graph",
+        EXACT,
+        Setting(head="sliced"),
+        ONE,
     ),
     Spec(
         "(2)",

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-VERSION = 1
+VERSION = 2  # 2: tiny-mistral's head untied, as Mistral-7B's is
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 VOCAB_SIZE = 320  # 256 bytes + specials, rounded up
 
@@ -125,6 +125,7 @@ FAMILIES: dict[str, TinySpec] = {
             "architectures": ["MistralForCausalLM"],
             "num_hidden_layers": 2,
             "sliding_window": None,
+            "tie_word_embeddings": False,  # an untied head, which a quantized model quantizes
         },
         seed=5,
     ),
@@ -171,6 +172,7 @@ QUANTIZED: dict[str, tuple[str, int]] = {
     "tiny-qwen2-4bit": ("tiny-qwen2", 4),
     "tiny-qwen2-8bit": ("tiny-qwen2", 8),
     "tiny-qwen3_5-4bit": ("tiny-qwen3_5", 4),
+    "tiny-mistral-4bit": ("tiny-mistral", 4),  # an untied quantized head: row (1d)
 }
 
 DEFAULT_MODEL = "tiny-qwen2"

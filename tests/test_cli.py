@@ -25,13 +25,14 @@ def test_test_walk_exact_json_on_a_model_folder():
     )
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
-    assert out["ok"] and len(out["rows"]) == 16
+    assert out["ok"] and len(out["rows"]) == 17
     rows = {r["row"] for r in out["rows"]}
     assert rows == {
         "(1)",
         "(1a)",
         "(1b)",
         "(1c)",
+        "(1d)",
         "(2)",
         "(3)",
         "(7)",
@@ -40,7 +41,11 @@ def test_test_walk_exact_json_on_a_model_folder():
         "(8b)",
         "(9)",
     }
-    assert all(r["rel_l2"] <= 2e-5 for r in out["rows"] if r["bar"] == grading.EXACT)
+    assert all(
+        r["rel_l2"] <= 2e-5 for r in out["rows"] if r["bar"] == grading.EXACT and not r["detail"]
+    )
+    (sliced,) = [r for r in out["rows"] if r["row"] == "(1d)"]  # a tied head
+    assert sliced["detail"] == "not offered: a tied or unquantized head"
 
 
 def test_a_missing_model_is_one_line_and_exit_2(tmp_path):

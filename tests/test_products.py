@@ -1,6 +1,7 @@
 """A quantized base's products on the dequantized weight (ops/products.py): the product and its
 input's gradient equal MLX's quantized product's in float32, only the decoder layers' affine
-projections are swapped (and back), and the walk on them equals one graph on MLX's own."""
+projections are swapped (and back), and the walk on them equals one graph on MLX's own; an untied
+head held whole or sliced by its vocabulary (walk/loss.py) equals MLX's quantized head."""
 
 import mlx.core as mx
 import mlx_lm
@@ -11,11 +12,19 @@ from mlx import nn
 from mlxwalk import tiny, window_gradient
 from mlxwalk.commands.walk_exact import prepare
 from mlxwalk.grading import compare
-from mlxwalk.ops.products import DequantizedLinear, dequantized_matmul, dequantized_products
+from mlxwalk.ops import products
+from mlxwalk.ops.products import (
+    DequantizedLinear,
+    SlicedLinear,
+    dequantized_matmul,
+    dequantized_products,
+)
 from mlxwalk.walk.algorithm import LOSS_BLOCK
 from mlxwalk.walk.arch import Head
 from mlxwalk.walk.loss import head_loss
 from scripts.lib import bench
+
+MIB_ = 2**20
 
 
 def rel(a: mx.array, b: mx.array) -> float:
@@ -89,6 +98,67 @@ def test_a_held_head_is_dequantized_once_for_every_block_and_equals_the_quantize
     assert rel(dequantized[1], quantized[1]) < 1e-5
 
 
+def wide_head(vocab: int, hidden: int = 64) -> nn.QuantizedLinear:
+    mx.random.seed(5)
+    return nn.QuantizedLinear.from_linear(nn.Linear(hidden, vocab, bias=False), 64, 4)
+
+
+def head_loss_and_grad(module, h, y, w):
+    def loss(h):
+        return head_loss(Head(None, module, module, lambda x: x), h, y, w, float(w.sum().item()))
+
+    return mx.value_and_grad(loss)(h)
+
+
+def test_a_sliced_head_dequantizes_one_slice_at_a_time_and_equals_the_quantized_loss(
+    monkeypatch,
+):
+    head = wide_head(300)
+    n = LOSS_BLOCK + 200  # two blocks
+    h = mx.random.normal((1, n, 64))
+    y = mx.random.randint(0, 300, (1, n))
+    w = mx.random.uniform(shape=(1, n))
+    quantized = head_loss_and_grad(head, h, y, w)
+    head.__class__ = SlicedLinear
+    rows = []
+    dequantize = mx.dequantize
+
+    def counted(wq, *args, **kwargs):  # every dequantization, the backward's recomputes included
+        rows.append(wq.shape[0])
+        return dequantize(wq, *args, **kwargs)
+
+    monkeypatch.setattr(mx, "dequantize", counted)
+    with products.vocab_slice(128):  # 300 rows: 128, 128, 44
+        sliced = head_loss_and_grad(head, h, y, w)
+        mx.eval(sliced)
+    # each block's slices once in the forward and once in the backward's recompute
+    assert sorted(rows) == sorted([128, 128, 44] * 4)
+    assert abs(sliced[0].item() - quantized[0].item()) < 1e-5
+    assert rel(sliced[1], quantized[1]) < 1e-5
+
+
+def test_a_sliced_head_holds_a_fraction_of_what_the_held_head_does():
+    vocab, hidden, n = 16384, 256, LOSS_BLOCK
+    head = wide_head(vocab, hidden)
+    h = mx.random.normal((1, n, hidden))
+    y = mx.random.randint(0, vocab, (1, n))
+    w = mx.ones((1, n))
+    mx.eval(head.parameters(), h, y, w)
+    peaks = {}
+    for cls in (DequantizedLinear, SlicedLinear):
+        head.__class__ = cls
+        with products.vocab_slice(vocab // 8):
+            mx.synchronize()
+            mx.reset_peak_memory()
+            base = mx.get_active_memory()
+            mx.eval(head_loss_and_grad(head, h, y, w))
+            peaks[cls.__name__] = (mx.get_peak_memory() - base) / MIB_
+    # the held head: its copy (16 MiB), a block's float32 logits (64 MiB) and their gradient,
+    # 289 MiB in all on the CPU; sliced in eight, 147 MiB (MLX's CPU stream runs ahead of its
+    # frees, several slices deep); the whole head's logits would not fit under 0.6 of it
+    assert peaks["SlicedLinear"] < 0.6 * peaks["DequantizedLinear"], peaks
+
+
 N = 160
 IDS = np.random.default_rng(7).integers(0, 256, N + 1)
 
@@ -131,9 +201,9 @@ def test_auto_gives_up_the_dequantized_head_first_when_a_budget_would_not_hold_i
         return ExactWalk(model, window, config)
 
     tight = walk("auto", 4096)
-    assert seen == ["dequantized", "quantized"] and tight.head_products == "quantized"
+    assert seen == ["dequantized", "sliced"] and tight.head_products == "sliced"
     with tight.walking():
-        assert type(model.lm_head) is nn.QuantizedLinear
+        assert type(model.lm_head) is SlicedLinear
         assert type(model.layers[0].mlp.up_proj.linear) is DequantizedLinear
     roomy = walk("auto", 2e6)
     assert seen == ["dequantized"] and roomy.head_products == "dequantized"
@@ -141,3 +211,22 @@ def test_auto_gives_up_the_dequantized_head_first_when_a_budget_would_not_hold_i
         assert type(model.lm_head) is DequantizedLinear
     with pytest.raises(OutOfMemory):  # asked for by name: refused, not given up
         walk("dequantized", 4096)
+    quantized = walk("quantized", 4096)
+    assert seen == ["quantized"]
+    with quantized.walking():
+        assert type(model.lm_head) is nn.QuantizedLinear
+
+
+def test_the_sliced_head_row_of_test_walk_exact_runs_on_an_untied_quantized_model():
+    from mlxwalk import exactness
+    from mlxwalk.commands.walk_exact import Table
+
+    model, _ = mlx_lm.load(str(tiny.path("tiny-mistral-4bit")))
+    assert type(model.lm_head) is nn.QuantizedLinear  # untied, quantized
+    (spec,) = [s for s in exactness.ROWS if s.row == "(1d)"]
+    row = Table(prepare(model), "tiny-mistral-4bit").compared(spec)
+    print(row)
+    assert row.ok and row.rel_l2 is not None and row.rel_l2 <= 2e-5, row
+    tied, _ = mlx_lm.load(str(tiny.path("tiny-qwen2-4bit")))
+    row = Table(prepare(tied), "tiny-qwen2-4bit").compared(spec)
+    assert row.detail == "not offered: a tied or unquantized head", row

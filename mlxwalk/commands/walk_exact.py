@@ -17,6 +17,7 @@ from mlx import nn
 from mlx.utils import tree_flatten, tree_map
 
 from ..exactness import ExactnessTable, Setting, print_tables
+from ..ops.products import head_swapped, vocab_slice
 from ..preference.dpo import adapter_off
 from ..walk import (
     ExactWalk,
@@ -32,6 +33,7 @@ from . import torch_module
 
 # Setting.recompute as window_gradient's keep_inputs
 KEEP_INPUTS = {"": "auto", "inputs": "on", "recorded": "off", "stem": "stem"}
+HEAD_SLICE = 96  # row (1d)'s vocabulary slice: 320 rows in 4 slices, the last short
 
 
 def prepare(model: nn.Module, seed: int = 0, rank: int = 8) -> nn.Module:
@@ -87,11 +89,15 @@ class Table(ExactnessTable):
             return False
         if setting.store == "q8" and not q8_fits(self.layout.head_dims):
             return f"head dimension {', '.join(map(str, self.layout.head_dims))}"
+        if setting.head == "sliced" and not head_swapped(self.model, "dequantized"):
+            return "a tied or unquantized head"
         return True
 
     def walked(self, setting: Setting, weights: np.ndarray, chunk: int, ids: tuple):
         upper = upper_layers_only(self.model, self.layers // 2) if setting.upper_half else None
-        with upper or nullcontext():
+        # a bundled head's few hundred rows in several slices, as a real vocabulary's are
+        rows = vocab_slice(HEAD_SLICE) if setting.head == "sliced" else None
+        with upper or nullcontext(), rows or nullcontext():
             loss, grads = window_gradient(
                 self.model,
                 *ids,
@@ -103,6 +109,7 @@ class Table(ExactnessTable):
                 attention=setting.attention,
                 recompute=bool(setting.recompute),
                 keep_inputs=KEEP_INPUTS[setting.recompute],
+                head_products=setting.head,
             )
             return float(loss), grads
 

@@ -9,15 +9,17 @@ projection at a time, and its input's gradient dequantizes it again in the backw
 keep it: the transient is one projection's weight at the activations' width, and nothing the
 graph holds grows. The same weights, the same products: only the rounding of the sum differs.
 
-An untied lm head (vocabulary x hidden) is swapped too unless `head` is False. Its logits
+An untied lm head (vocabulary x hidden) is swapped too where `head` says how. Its logits
 are computed in blocks, each checkpointed (walk.loss.head_loss): a product per block, forward,
 recomputed and transposed, each dequantizing the whole head (1 GiB in bf16 at Llama-3-8B's
 128,256 x 4,096) would hold several of those at once. So `held(head, project)` dequantizes it
 once and returns the projection with that copy bound in, which every block's forward, recompute
 and gradient call (a checkpointed block runs its Python again when the backward is built, so the
 copy must travel in the function, not in a context): the head and loss hold one dequantized head
-beside the logits of one block. A tied head (the embedding read as a linear layer) keeps MLX's
-product.
+beside the logits of one block. Where that copy does not fit (2.4 GiB at the 27B shape's
+248,320 x 5,120), a `SlicedLinear` head's loss dequantizes it a slice of the vocabulary at a
+time, each slice's product checkpointed. A tied head (the embedding read as a linear layer) keeps
+MLX's product.
 
 On Metal, MLX's quantized products are tiled for the matrix units and were not measured here:
 `auto` keeps them there.
@@ -33,7 +35,10 @@ import mlx.core as mx
 from mlx import nn
 
 PRODUCTS = ("auto", "quantized", "dequantized")
-HEAD_PRODUCTS = ("auto", "quantized", "dequantized")  # an untied lm head's (WalkConfig)
+HEAD_PRODUCTS = ("auto", "quantized", "dequantized", "sliced")  # an untied lm head's (WalkConfig)
+# An untied head's rows its sliced loss dequantizes at once (walk/loss.py sliced_cross_entropy):
+# 320 MiB in bf16 at Qwen3.5-27B's hidden 5,120, where the whole head (248,320 rows) is 2.4 GiB.
+VOCAB_SLICE = 32_768
 
 
 def resolve(products: str) -> str:
@@ -78,11 +83,43 @@ class DequantizedLinear(nn.QuantizedLinear):
         return y + self["bias"] if "bias" in self else y
 
 
+class SlicedLinear(DequantizedLinear):
+    """An untied affine-quantized head whose loss dequantizes VOCAB_SLICE rows at a time
+    (walk.loss.sliced_cross_entropy): the dequantized product's speed with one slice of the head
+    alive, where MLX's quantized product ran the 27B-shaped window's head at about a fifth of a
+    bf16 product's rate and the whole copy did not fit 32 GiB (docs/BENCHMARKS.md)."""
+
+    def vocab_slices(self) -> list[slice]:
+        rows, n = self["weight"].shape[0], VOCAB_SLICE
+        return [slice(a, min(a + n, rows)) for a in range(0, rows, n)]
+
+    def logits(self, h: mx.array, s: slice) -> mx.array:
+        """h (..., in) -> (..., rows of s): the head's rows `s`, dequantized for this product."""
+        w, scales, biases = self["weight"][s], self["scales"][s], self["biases"][s]
+        y = h @ mx.dequantize(w, scales, biases, self.group_size, self.bits).T
+        return y + self["bias"][s] if "bias" in self else y
+
+
+@contextmanager
+def vocab_slice(rows: int) -> Iterator[None]:
+    """Within the block, a sliced head's slices have `rows` rows (test-walk-exact's row (1d) cuts
+    a bundled model's few hundred into several)."""
+    global VOCAB_SLICE
+    before, VOCAB_SLICE = VOCAB_SLICE, rows
+    try:
+        yield
+    finally:
+        VOCAB_SLICE = before
+
+
+HEAD_CLASSES = {"dequantized": DequantizedLinear, "sliced": SlicedLinear}
+
+
 def held(module: nn.Module, project: Callable[[mx.array], mx.array]):
     """`project` (the module's product), or for a DequantizedLinear a product with one
     dequantization of its weight bound in (lazy: the graphs built with it hold it until they are
     evaluated; it is a constant there, its gradient never formed)."""
-    if type(module) is not DequantizedLinear:
+    if type(module) is not DequantizedLinear:  # a sliced head is never held whole
         return project
     w = module.dequantized()
     return lambda x: module.biased(x @ w.T)  # (..., in) @ (in, out)
@@ -107,22 +144,23 @@ def _affine(m: nn.Module) -> bool:
 
 @contextmanager
 def dequantized_products(
-    model: nn.Module, products: str = "auto", head: bool = True
+    model: nn.Module, products: str = "auto", head: str = "dequantized"
 ) -> Iterator[int]:
     """Within the block, the decoder layers' affine-quantized projections (and an untied lm head,
-    if `head`) multiply by their dequantized weight (when `products` resolves to "dequantized");
-    yields how many do."""
+    if `head` is "dequantized" or "sliced": HEAD_CLASSES) multiply by their dequantized weight
+    (when `products` resolves to "dequantized"); yields how many do."""
     if resolve(products) != "dequantized":
         yield 0
         return
     layers = getattr(model, "layers", None) or []
-    swapped = [m for layer in layers for _, m in layer.named_modules() if _affine(m)]
-    if head and head_swapped(model, products):
-        swapped.append(_lm_head(model))
+    inner = [m for layer in layers for _, m in layer.named_modules() if _affine(m)]
+    swapped = [(m, DequantizedLinear) for m in inner]
+    if head in HEAD_CLASSES and head_swapped(model, products):
+        swapped.append((_lm_head(model), HEAD_CLASSES[head]))
     try:
-        for m in swapped:
-            m.__class__ = DequantizedLinear
+        for m, cls in swapped:
+            m.__class__ = cls
         yield len(swapped)
     finally:
-        for m in swapped:
+        for m, _ in swapped:
             m.__class__ = nn.QuantizedLinear

@@ -46,13 +46,14 @@ class Table(ExactnessTable):
         )
 
     def offers(self, setting: Setting) -> bool:
-        # the torch walk has no attention paths, bfloat16 accumulators or recompute
+        # the torch walk has no attention paths, bfloat16 accumulators, recompute or sliced head
         return (
             setting.store in STORES
             and setting.accumulators == "float32"
             and setting.attention == "auto"
             and not setting.recompute
             and not setting.upper_half
+            and setting.head == "auto"
         )
 
     def walked(self, setting: Setting, weights: np.ndarray, chunk: int, ids: tuple) -> tuple:

@@ -206,9 +206,9 @@ class Admission:
         est, least = self.settled_at(asked, device, probe_it=True)
         auto_head = self.config.head_products == "auto" and self.head_products == "dequantized"
         if auto_head and est.total > device:
-            # auto: the head's dequantized copy is the first thing given up (its gain is the
-            # smallest: 1 s of the 8B-shaped window's 20, docs/BENCHMARKS.md)
-            self.head_products = "quantized"
+            # auto: the head's whole dequantized copy is the first thing given up (its gain
+            # over the sliced head is the smallest: a few dequantizations a chunk)
+            self.head_products = "sliced"
             est, least = self.settled_at(asked, device, probe_it=True)
         costly = []  # (layer forwards again, the walk as settled) that fit past AFFORDABLE
         for taken in range(len(steps) + 1):

@@ -91,6 +91,7 @@ def window_gradient(
     attention: str = "auto",
     keep_inputs: str = "auto",
     products: str = "auto",
+    head_products: str = "auto",
 ) -> tuple[float, dict]:
     """The window's loss sum(w * CE) / sum(w) and its gradient in `model.trainable_parameters()`.
 
@@ -106,7 +107,8 @@ def window_gradient(
         chunk: positions per chunk (>= 1); the walk's memory grows with it.
         walk: "exact", "plain" or "one-graph" (the reference).
         cache_type, horizon, recompute, host_budget_mib, memory_budget_mib, accumulator_dtype,
-        attention, keep_inputs, products: WalkConfig's fields (walk/config.py says each).
+        attention, keep_inputs, products, head_products: WalkConfig's fields (walk/config.py
+            says each).
 
     Returns:
         (loss, grads): the loss as a Python float and its gradient, a tree shaped as
@@ -132,6 +134,7 @@ def window_gradient(
         attention=attention,
         keep_inputs=keep_inputs,
         products=products,
+        head_products=head_products,
     ).check()
     if walk == "one-graph":
         loss, grads = one_graph(model, window, products)

@@ -52,8 +52,9 @@ class WalkConfig:
     # chunk's rows on CUDA and the CPU), "quantized" (MLX's quantized product); auto: by backend
     products: str = "auto"
     # an untied quantized lm head's products, when `products` dequantizes: "dequantized" (the
-    # head dequantized once per chunk and held through its loss, ops.products), "quantized";
-    # auto: dequantized unless a memory budget would not hold it
+    # head dequantized once per chunk and held through its loss, ops.products), "sliced" (its loss
+    # dequantizes a slice of the vocabulary at a time: one slice alive), "quantized";
+    # auto: dequantized unless a memory budget would not hold it, then sliced
     head_products: str = "auto"
     # positions the exact walk's decode runs through the model at once, in whole chunks (at least
     # one): larger products for the same store and states. None: DECODE_RUN on CUDA at half

@@ -53,7 +53,7 @@ class ExactWalk(ChunkRunner, admission.Admission, ExactAlgorithm):
         self.plan = self.make_plan(self.config.host_budget)
         self.checkpoints: dict[int, State] = {}
         self.kept: dict[int, list[mx.array]] = {}  # per decoded chunk, its layers' inputs
-        self.head_products = self.head_mode()  # "dequantized", "quantized" or "as is"
+        self.head_products = self.head_mode()  # "dequantized", "sliced", "quantized" or "as is"
         self.horizon_used = self.config.horizon  # narrowed per chunk if the memory budget asks
         self.remedies = (
             "raise --memory-budget-mib, or give --recompute or a smaller --cache-type or --chunk"
@@ -101,7 +101,7 @@ class ExactWalk(ChunkRunner, admission.Admission, ExactAlgorithm):
                 mx.set_memory_limit(limit)
 
     def walking(self):
-        return walking(self.model, self.config.products, self.head_products == "dequantized")
+        return walking(self.model, self.config.products, self.head_products)
 
     def kept_inputs(self, chunk: Chunk) -> list[mx.array] | None:
         return self.kept.get(chunk.index)

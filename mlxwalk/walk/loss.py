@@ -27,9 +27,18 @@ def weighted_loss(logits: mx.array, targets: mx.array, weights: mx.array, total:
 def head_loss(head: arch.Head, h: mx.array, targets, weights, total: float) -> mx.array:
     """weighted_loss of the logits `head.project(h)`, in the blocks of algorithm.loss_blocks,
     each checkpointed: the chunk's logits are never all alive, in the forward or in the backward.
-    A dequantized head is dequantized once for all of them (ops.products.held)."""
-    project = products.held(head.module, head.project)
+    A dequantized head is dequantized once for all of them (ops.products.held); a sliced one a
+    slice of its vocabulary at a time (sliced_cross_entropy)."""
     blocks = loss_blocks(h.shape[1])
+    if type(head.module) is products.SlicedLinear:
+        return (
+            sum(
+                (sliced_cross_entropy(head.module, h[:, b], targets[:, b]) * weights[:, b]).sum()
+                for b in blocks
+            )
+            / total
+        )
+    project = products.held(head.module, head.project)
     if len(blocks) == 1:
         return weighted_loss(project(h), targets, weights, total)
 
@@ -41,3 +50,25 @@ def head_loss(head: arch.Head, h: mx.array, targets, weights, total: float) -> m
         return mx.checkpoint(loss)(head.module.trainable_parameters(), h[:, b])
 
     return sum(block_loss(b) for b in blocks)
+
+
+def sliced_cross_entropy(head: products.SlicedLinear, h: mx.array, targets: mx.array) -> mx.array:
+    """Cross-entropy (float32) of the logits `head(h)`, h (1, n, hidden) and targets (1, n),
+    from the head's vocabulary slices: each slice's logsumexp and target logit in a checkpoint
+    of its own, so one slice's dequantized rows and logits are alive at a time, in the forward
+    and in the backward (which computes each slice's product again, as the blocks' checkpoints
+    do). The same products as the whole head's: only the rounding of the sums differs."""
+
+    def scores(s: slice):
+        def part(h):  # targets are constants: closed over
+            logits = head.logits(h, s).astype(mx.float32)  # (1, n, rows of s)
+            inside = (targets >= s.start) & (targets < s.stop)  # (1, n)
+            at = mx.clip(targets - s.start, 0, logits.shape[-1] - 1)  # (1, n)
+            picked = mx.take_along_axis(logits, at[..., None], axis=-1)[..., 0]  # (1, n)
+            # one output: both reductions are done before the next slice's logits exist
+            return mx.stack([mx.logsumexp(logits, axis=-1), mx.where(inside, picked, 0.0)])
+
+        return mx.checkpoint(part)(h)  # (2, 1, n)
+
+    parts = mx.stack([scores(s) for s in head.vocab_slices()], axis=1)  # (2, slices, 1, n)
+    return mx.logsumexp(parts[0], axis=0) - parts[1].sum(axis=0)  # (1, n)

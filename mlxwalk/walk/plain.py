@@ -38,7 +38,8 @@ class PlainWalk(ChunkRunner, PlainAlgorithm):
         return self.walk(step)
 
     def walking(self):
-        return walking(self.model, self.config.products, self.config.head_products != "quantized")
+        head = self.config.head_products
+        return walking(self.model, self.config.products, "dequantized" if head == "auto" else head)
 
     def train_plain(self, chunk: Chunk, state: State, step) -> mx.array:
         caches = self.caches(chunk, state)

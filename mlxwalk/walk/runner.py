@@ -51,10 +51,10 @@ def _zeros(shape: tuple[int, ...]) -> mx.array:
 
 
 @contextmanager
-def walking(model: nn.Module, products: str = "auto", head: bool = True) -> Iterator[None]:
+def walking(model: nn.Module, products: str = "auto", head: str = "dequantized") -> Iterator[None]:
     """The model as the walk runs it: taps through every layer, the chunked delta rule, a
     quantized base's products on its dequantized weights where that is faster (ops.products;
-    an untied quantized head's too if `head`)."""
+    an untied quantized head's too, held whole or sliced as `head` says)."""
     with (
         walk_layers(model),
         fast_recurrence(model),
