@@ -43,7 +43,7 @@ WHY = {
     "chunk": "exact; more, smaller chunks take longer",
     "checkpoint stride": "exact; states re-decoded from fewer checkpoints (a binomial schedule)",
     "kept inputs": "exact; the reverse pass records the forward it no longer keeps",
-    "head products": "exact; the head multiplies its quantized weight (slower)",
+    "head products": "exact; the head dequantized a slice of its vocabulary at a time (row 1d)",
 }
 LOSSY = ("K/V store", "accumulators")
 
