@@ -65,7 +65,7 @@ def sliced_cross_entropy(head: products.SlicedLinear, h: mx.array, targets: mx.a
             inside = (targets >= s.start) & (targets < s.stop)  # (1, n)
             at = mx.clip(targets - s.start, 0, logits.shape[-1] - 1)  # (1, n)
             picked = mx.take_along_axis(logits, at[..., None], axis=-1)[..., 0]  # (1, n)
-            # one output: both reductions are done before the next slice's logits exist
+            # one output: nothing outside the slice reads its logits
             return mx.stack([mx.logsumexp(logits, axis=-1), mx.where(inside, picked, 0.0)])
 
         return mx.checkpoint(part)(h)  # (2, 1, n)
