@@ -11,8 +11,8 @@ On MLX:
   runner.py      what both walks do with a chunk: caches, decode, graph, dropout seeds
   exact.py       the exact walk's MLX mechanics
   plain.py       the plain walk's MLX mechanics
-  api.py         window_loss, one_graph (the reference), window_gradient, train_window,
-                 exact_gradient and apply_step (a step on several windows)
+  api.py         window_loss, target_scores, one_graph (the reference), window_gradient,
+                 train_window, exact_gradient and apply_step (a step on several windows)
   taps.py        the caches a chunk's graph runs through: taps, surrogates, how a layer runs
   accum.py       the K/V and state adjoints and the adapter's gradient, summed per window
   store.py       the K/V store at the cache's precision
@@ -49,6 +49,7 @@ _LAZY = {
             "train_window",
             "window_gradient",
             "window_loss",
+            "target_scores",
         )
     },
 }

@@ -38,6 +38,12 @@ def window_loss(model: nn.Module, window: Window, config: WalkConfig, layout=Non
         sum(w * CE) / sum(w) over the window's n positions, a Python float.
     """
     runner = ChunkRunner(model, window, config, layout)
+    return float(sum(v.item() for v in _decoded(runner)))
+
+
+def _decoded(runner: ChunkRunner) -> list[mx.array]:
+    """Each labelled chunk's loss share, the window decoded chunk by chunk with no gradient."""
+    window, model = runner.window, runner.model
     chunks = cut(window.labels, runner.config.chunk, runner.config.follow_runs)
     losses: list = []
     with walking(model, runner.config.products):
@@ -45,7 +51,25 @@ def window_loss(model: nn.Module, window: Window, config: WalkConfig, layout=Non
         state = runner.zero_state()
         for chunk in chunks:
             state = runner.decode(chunk, state, losses=losses)
-    return float(sum(v.item() for v in losses))
+    return losses
+
+
+@first_use
+def target_scores(model: nn.Module, window: Window, config: WalkConfig, layout=None) -> list:
+    """Each target column's summed log-probability, decoded chunk by chunk with no gradient.
+
+    Args:
+        model, config, layout: as window_loss's.
+        window: a window of several targets a position (Window.of_targets), its weights the
+            positions each column scores (e.g. 1 at a one-token answer, 0 elsewhere).
+
+    Returns:
+        [sum_p w[p, t] * log p(targets[p, t]) for each column t], Python floats.
+    """
+    runner = ChunkRunner(model, window, config, layout)
+    runner.per_target = True
+    per_column = sum(_decoded(runner)) * -window.total  # (T,): the decode's shares are over sum(|w|)
+    return per_column.tolist()
 
 
 @first_use

@@ -10,21 +10,36 @@ from . import arch
 from .algorithm import loss_blocks
 
 
-def weighted_loss(logits: mx.array, targets: mx.array, weights: mx.array, total: float):
-    """sum(w * CE) / total, in float32.
+def weighted_loss(
+    logits: mx.array, targets: mx.array, weights: mx.array, total: float, per_target=False
+):
+    """sum(w * CE) / total, in float32. Targets and weights (1, n), or (1, n, T) for T targets a
+    position (Window.of_targets); `per_target`: the (T,) sums, one a target column, for scoring.
 
     On a GPU, MLX's fused cross-entropy reads the logits in their own dtype and accumulates in
     float32: no float32 copy of the chunk's logits (chunk x vocabulary) and a gradient in their
     dtype. The CPU has no fused kernel (its fallback reduces in the logits' dtype), so there the
     logits are cast first."""
-    if mx.default_device() == mx.gpu:
+    if targets.ndim == logits.ndim:  # several targets a position
+        lse = mx.logsumexp(logits.astype(mx.float32), axis=-1, keepdims=True)  # (1, n, 1)
+        ce = lse - mx.take_along_axis(logits, targets, axis=-1).astype(mx.float32)  # (1, n, T)
+    elif mx.default_device() == mx.gpu:
         ce = mx.fast.cross_entropy(logits, targets)
     else:
         ce = nn.losses.cross_entropy(logits.astype(mx.float32), targets, reduction="none")
-    return (ce * weights).sum() / total
+    return reduce(ce * weights, per_target) / total
 
 
-def head_loss(head: arch.Head, h: mx.array, targets, weights, total: float) -> mx.array:
+def reduce(terms: mx.array, per_target: bool) -> mx.array:
+    """The weighted terms summed: a scalar, or per target column (T,)."""
+    if not per_target:
+        return terms.sum()
+    return terms.sum(axis=(0, 1)) if terms.ndim == 3 else terms.sum()[None]  # (T,)
+
+
+def head_loss(
+    head: arch.Head, h: mx.array, targets, weights, total: float, per_target=False
+) -> mx.array:
     """weighted_loss of the logits `head.project(h)`, in the blocks of algorithm.loss_blocks,
     each checkpointed: the chunk's logits are never all alive, in the forward or in the backward.
     A dequantized head is dequantized once for all of them (ops.products.held); a sliced one a
@@ -33,19 +48,22 @@ def head_loss(head: arch.Head, h: mx.array, targets, weights, total: float) -> m
     if type(head.module) is products.SlicedLinear:
         return (
             sum(
-                (sliced_cross_entropy(head.module, h[:, b], targets[:, b]) * weights[:, b]).sum()
+                reduce(
+                    sliced_cross_entropy(head.module, h[:, b], targets[:, b]) * weights[:, b],
+                    per_target,
+                )
                 for b in blocks
             )
             / total
         )
     project = products.held(head.module, head.project)
     if len(blocks) == 1:
-        return weighted_loss(project(h), targets, weights, total)
+        return weighted_loss(project(h), targets, weights, total, per_target)
 
     def block_loss(b: slice) -> mx.array:
         def loss(params, hb):  # targets and weights are constants: closed over
             head.module.update(params)  # a checkpoint takes closed-over arrays as constants
-            return weighted_loss(project(hb), targets[:, b], weights[:, b], total)
+            return weighted_loss(project(hb), targets[:, b], weights[:, b], total, per_target)
 
         return mx.checkpoint(loss)(head.module.trainable_parameters(), h[:, b])
 
@@ -53,22 +71,27 @@ def head_loss(head: arch.Head, h: mx.array, targets, weights, total: float) -> m
 
 
 def sliced_cross_entropy(head: products.SlicedLinear, h: mx.array, targets: mx.array) -> mx.array:
-    """Cross-entropy (float32) of the logits `head(h)`, h (1, n, hidden) and targets (1, n),
-    from the head's vocabulary slices: each slice's logsumexp and target logit in a checkpoint
-    of its own, so one slice's dequantized rows and logits are alive at a time, in the forward
-    and in the backward (which computes each slice's product again, as the blocks' checkpoints
-    do). The same products as the whole head's: only the rounding of the sums differs."""
+    """Cross-entropy (float32) of the logits `head(h)`, h (1, n, hidden) and targets (1, n) or
+    (1, n, T), from the head's vocabulary slices: each slice's logsumexp and target logits in a
+    checkpoint of its own, so one slice's dequantized rows and logits are alive at a time, in the
+    forward and in the backward (which computes each slice's product again, as the blocks'
+    checkpoints do). The same products as the whole head's: only the rounding of the sums
+    differs."""
+    several = targets.ndim == 3
+    columns = targets if several else targets[..., None]  # (1, n, T)
 
     def scores(s: slice):
         def part(h):  # targets are constants: closed over
             logits = head.logits(h, s).astype(mx.float32)  # (1, n, rows of s)
-            inside = (targets >= s.start) & (targets < s.stop)  # (1, n)
-            at = mx.clip(targets - s.start, 0, logits.shape[-1] - 1)  # (1, n)
-            picked = mx.take_along_axis(logits, at[..., None], axis=-1)[..., 0]  # (1, n)
+            inside = (columns >= s.start) & (columns < s.stop)  # (1, n, T)
+            at = mx.clip(columns - s.start, 0, logits.shape[-1] - 1)  # (1, n, T)
+            picked = mx.take_along_axis(logits, at, axis=-1)  # (1, n, T)
+            lse = mx.logsumexp(logits, axis=-1, keepdims=True)  # (1, n, 1)
             # one output: nothing outside the slice reads its logits
-            return mx.stack([mx.logsumexp(logits, axis=-1), mx.where(inside, picked, 0.0)])
+            return mx.stack([mx.broadcast_to(lse, picked.shape), mx.where(inside, picked, 0.0)])
 
-        return mx.checkpoint(part)(h)  # (2, 1, n)
+        return mx.checkpoint(part)(h)  # (2, 1, n, T)
 
-    parts = mx.stack([scores(s) for s in head.vocab_slices()], axis=1)  # (2, slices, 1, n)
-    return mx.logsumexp(parts[0], axis=0) - parts[1].sum(axis=0)  # (1, n)
+    parts = mx.stack([scores(s) for s in head.vocab_slices()], axis=1)  # (2, slices, 1, n, T)
+    ce = mx.logsumexp(parts[0], axis=0) - parts[1].sum(axis=0)  # (1, n, T)
+    return ce if several else ce[..., 0]

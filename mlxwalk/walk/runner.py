@@ -81,6 +81,7 @@ class ChunkRunner:
         self.store: KVStore | None = None
         self.seed = self._dropout_seed()
         self.on_chunk: Callable[[str, int, int], None] | None = None  # (phase, done, of)
+        self.per_target = False  # a decode's loss per target column (api.target_scores)
 
     def _dropout_seed(self) -> int | None:
         """With dropout, the walk's seed: the configured one, or one drawn for this walk. Refuses
@@ -152,12 +153,12 @@ class ChunkRunner:
     def run_chunk(self, x, caches: list, y, w, scored: bool) -> mx.array:
         """The model over a chunk through its caches; the chunk's loss share if `scored` (its
         logits in blocks, see head_loss), else 0 and no logits at all."""
-        total = self.window.total
+        total, per = self.window.total, self.per_target
         if self.head is None:
             logits = self.model(x, cache=caches)
-            return weighted_loss(logits, y, w, total) if scored else mx.array(0.0)
+            return weighted_loss(logits, y, w, total, per) if scored else mx.array(0.0)
         h = self.head.body(x, caches)
-        return head_loss(self.head, h, y, w, total) if scored else mx.array(0.0)
+        return head_loss(self.head, h, y, w, total, per) if scored else mx.array(0.0)
 
     def graph_by_layer(self, chunk: Chunk, caches: list, sink=None):
         """`graph` with recompute, one layer at a time (see layerwise.gradient)."""

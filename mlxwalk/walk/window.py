@@ -53,6 +53,39 @@ class Window:
         return cls(x, y, w)
 
     @classmethod
+    def of_targets(cls, inputs, targets, weights) -> Window:
+        """A window with several targets at each position, each with a signed weight: the loss
+        is sum(w * CE) over positions and targets, over sum(|w|). Answers that share every
+        input and differ in a one-token answer (a preference group's chosen and rejected
+        answers) are one window this way, walked once (preference/groups.py).
+
+        Args:
+            inputs: token ids, shape (n,).
+            targets: shape (n, T): T candidate next tokens at each position.
+            weights: shape (n, T), real and finite, of any sign, not all 0.
+
+        Raises:
+            DataError naming the sequence at fault.
+        """
+        x = _ids("input", inputs)
+        y, w = np.asarray(targets), np.asarray(weights, np.float64)
+        if y.ndim != 2 or w.shape != y.shape or len(y) != len(x):
+            raise DataError(
+                f"targets and weights of several targets a position must both be (n, T) with "
+                f"n = {len(x)} inputs, got {tuple(y.shape)} and {tuple(w.shape)}"
+            )
+        if y.size and not np.issubdtype(y.dtype, np.integer):
+            raise DataError(f"target token ids must be integers, got {y.dtype}")
+        if y.size and (y.min() < 0 or y.max() > np.iinfo(np.int32).max):
+            bad = y[(y < 0) | (y > np.iinfo(np.int32).max)][0]
+            raise DataError(f"target token id {int(bad)} is outside any vocabulary")
+        if not np.isfinite(w).all():
+            raise DataError("weights must be finite (a NaN or infinite weight makes the loss NaN)")
+        if not (w != 0).any():
+            raise DataError("the window has no labelled position (every weight is 0)")
+        return cls(x, y.astype(np.int32), w.astype(np.float32))
+
+    @classmethod
     def labelled(cls, length: int) -> Window:
         """A window of `length` positions, every one labelled, that holds no array of its length
         (broadcast views): what `mlxwalk plan` and the budget's admission plan for."""
@@ -64,7 +97,7 @@ class Window:
     @cached_property
     def labels(self) -> Labels:
         """The weights as runs (the plan reads these, never a value per position)."""
-        w = self.weights
+        w = self.weights if self.weights.ndim == 1 else np.abs(self.weights).sum(axis=1)
         cuts = (np.flatnonzero(w[1:] != w[:-1]) + 1).tolist()
         bounds = [0, *cuts, len(w)]
         return Labels(len(w), tuple((a, b, float(w[a])) for a, b in zip(bounds, bounds[1:])))
@@ -74,7 +107,14 @@ class Window:
 
     @property
     def total(self) -> float:
-        return float(self.weights.sum())
+        """sum(w); with several targets a position, sum(|w|)."""
+        w = self.weights
+        return float(w.sum() if w.ndim == 1 else np.abs(w).sum())
+
+    @property
+    def targets_per_position(self) -> int:
+        """T: 1 for a plain window, else its targets' second dimension."""
+        return 1 if self.targets.ndim == 1 else self.targets.shape[1]
 
 
 def _row(name: str, values: np.ndarray) -> np.ndarray:
