@@ -68,7 +68,7 @@ def target_scores(model: nn.Module, window: Window, config: WalkConfig, layout=N
     """
     runner = ChunkRunner(model, window, config, layout)
     runner.per_target = True
-    per_column = sum(_decoded(runner)) * -window.total  # (T,): the decode's shares are over sum(|w|)
+    per_column = sum(_decoded(runner)) * -window.total  # (T,): shares of sum(|w|)
     return per_column.tolist()
 
 
