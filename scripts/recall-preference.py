@@ -64,7 +64,7 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 from lib import recall  # noqa: E402
 
-from mlxwalk.preference import dpo  # noqa: E402
+from mlxwalk.preference import dpo, groups  # noqa: E402
 from mlxwalk.preference.rewards import Pair, softplus  # noqa: E402
 from mlxwalk.training import files  # noqa: E402
 from mlxwalk.walk import WalkConfig, Window  # noqa: E402
@@ -103,6 +103,33 @@ def answer_logprobs(model, inputs: np.ndarray, batch: int = 32) -> np.ndarray:
     z = np.concatenate(out)  # (count, vocab)
     z -= z.max(-1, keepdims=True)
     return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
+def group_of(window: Window) -> Window:
+    """The conversation's answer group (--rejected all): its true code chosen against each of the
+    other 15, one window of 16 targets at the answer (preference/groups.py)."""
+    code = int(np.flatnonzero(CODE_IDS == window.targets[-1])[0])
+    others = np.delete(CODE_IDS, code)  # (15,)
+    rejected = np.repeat(window.targets[:, None], len(others), axis=1)  # (n, 15)
+    rejected[-1] = others
+    return groups.group_window(window.inputs, window.targets, rejected, window.weights)
+
+
+def group_step(walk: str, model, reference, optimizer, config: WalkConfig, beta: float, kept):
+    """dpo_step's twin for --rejected all: one step on the mean DPO loss of a conversation's 15
+    pairs, by one decode and one walk."""
+
+    def step(window: Window) -> float:
+        group = group_of(window)
+        key = hashlib.blake2b(window.inputs.tobytes() + window.targets.tobytes()).digest()
+        if key not in kept:
+            kept[key] = groups.reference_scores(reference, group, config)
+        pairs, grads = groups.group_gradient(model, group, kept[key], beta, config, walk=walk)
+        apply_step(model, optimizer, grads)
+        mx.eval(model.parameters(), optimizer.state)
+        return statistics.fmean(t.loss for t in pairs)
+
+    return step
 
 
 def dpo_step(walk: str, model, reference, optimizer, config: WalkConfig, beta: float, kept: dict):
@@ -155,7 +182,8 @@ class PreferenceTrainee(curriculum.Trainee):
     def make_step(self, config: WalkConfig):
         """The DPO step in place of the curriculum's cross-entropy one."""
         m, opt = self.model, self.optimizer
-        return dpo_step(self.trainer, m, self.reference, opt, config, self.a.beta, self.kept)
+        make = group_step if self.a.rejected == "all" else dpo_step
+        return make(self.trainer, m, self.reference, opt, config, self.a.beta, self.kept)
 
     def epoch(self, stage: int, window: int, train: dict, valid: dict, budget) -> dict:
         """The curriculum's epoch over the stage's conversations (each step a pair's), its row's
@@ -261,7 +289,7 @@ def report(a, runs: dict, start: float) -> int:
     rows = summary(a, runs)
     seeds = sorted({int(key.split("/")[1]) for key in runs})
     print(
-        f"\nrecall as a preference (DPO, beta {a.beta:g}): stages {a.stages}, chunk "
+        f"\nrecall as a preference (DPO, beta {a.beta:g}, rejected: {a.rejected}): stages {a.stages}, chunk "
         f"{curriculum.chunk_label(a)}, {curriculum.schedule_label(a)}, seeds {seeds}, "
         f"qwen2 {a.layers}x{a.width}, the reference its init; chance: "
         f"recall {1 / len(recall.CODES):.3f}, preference 0.5; {time.perf_counter() - start:.0f} s"
@@ -297,6 +325,14 @@ def arguments(argv: list[str] | None):
     p.add_argument("--stages", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096])
     curriculum.stage_options(p, "pairs")
     p.add_argument("--beta", type=float, default=0.1, help="DPO's beta")
+    p.add_argument(
+        "--rejected",
+        default="one",
+        choices=("one", "all"),
+        help="one: a pair per conversation (one rejected code), two walks a step; all: the "
+        "true code against each of the other 15, one step on their mean DPO loss by one "
+        "decode and one walk (held out: the same single pairs either way)",
+    )
     p.add_argument(
         "--advance", type=float, default=0.9, help="held-out preference accuracy to move on"
     )

@@ -136,6 +136,38 @@ def test_a_sliced_head_dequantizes_one_slice_at_a_time_and_equals_the_quantized_
     assert rel(sliced[1], quantized[1]) < 1e-5
 
 
+@pytest.mark.parametrize("per_target", [False, True])
+def test_several_targets_a_position_agree_on_every_head(per_target):
+    """Window.of_targets' loss (signed weights, T columns) is the same from the quantized, the
+    held and the sliced head, and per column equals the one-target loss of that column."""
+    head = wide_head(300)
+    n, T = LOSS_BLOCK + 200, 3
+    h = mx.random.normal((1, n, 64))
+    y = mx.random.randint(0, 300, (1, n, T))
+    w = mx.random.normal((1, n, T))
+
+    def run(cls, y, w):
+        head.__class__ = cls
+
+        def loss(h):  # (T,) or a scalar
+            return head_loss(Head(None, head, head, lambda x: x), h, y, w, 7.0, per_target)
+
+        with products.vocab_slice(128):
+            out, dh = loss(h), mx.grad(lambda h: loss(h).sum())(h)
+            mx.eval(out, dh)
+        return out, dh
+
+    ref = run(nn.QuantizedLinear, y, w)
+    for cls in (DequantizedLinear, SlicedLinear):
+        got = run(cls, y, w)
+        assert rel(got[0], ref[0]) < 1e-5 and rel(got[1], ref[1]) < 1e-5
+    if per_target:  # column t alone, as a plain window's targets
+        head.__class__ = nn.QuantizedLinear
+        for t in range(T):
+            one = head_loss(Head(None, head, head, lambda x: x), h, y[..., t], w[..., t], 7.0)
+            assert abs(one.item() - ref[0][t].item()) < 1e-5 * max(1.0, abs(one.item()))
+
+
 def test_a_sliced_head_holds_a_fraction_of_what_the_held_head_does():
     vocab, hidden, n = 16384, 256, LOSS_BLOCK
     head = wide_head(vocab, hidden)
