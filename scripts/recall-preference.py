@@ -289,9 +289,9 @@ def report(a, runs: dict, start: float) -> int:
     rows = summary(a, runs)
     seeds = sorted({int(key.split("/")[1]) for key in runs})
     print(
-        f"\nrecall as a preference (DPO, beta {a.beta:g}, rejected: {a.rejected}): stages {a.stages}, chunk "
-        f"{curriculum.chunk_label(a)}, {curriculum.schedule_label(a)}, seeds {seeds}, "
-        f"qwen2 {a.layers}x{a.width}, the reference its init; chance: "
+        f"\nrecall as a preference (DPO, beta {a.beta:g}, rejected: {a.rejected}): stages "
+        f"{a.stages}, chunk {curriculum.chunk_label(a)}, {curriculum.schedule_label(a)}, "
+        f"seeds {seeds}, qwen2 {a.layers}x{a.width}, the reference its init; chance: "
         f"recall {1 / len(recall.CODES):.3f}, preference 0.5; {time.perf_counter() - start:.0f} s"
     )
     print(table(rows))
