@@ -144,6 +144,16 @@ def test_one_step_per_window_and_a_refusal_before_any_step():
     assert all(not torch.equal(a, p) for a, p in zip(before, params))
 
 
+def test_an_answer_group_is_refused_by_name():
+    from mlxwalk.errors import ConfigError
+
+    model = models.add_lora(models.load(models.tiny_folder("tiny-qwen2")), rank=4, seed=1)
+    x, y, w = window()
+    group = Window.of_targets(x, np.c_[y, y[::-1]], np.c_[w, -w])
+    with pytest.raises(ConfigError, match="answer group"):
+        ExactWalk(model, group, TorchWalkConfig(chunk=48))
+
+
 def test_walk_attention_is_causal_at_the_bottom_right():
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 4, 5, 16, generator=g)

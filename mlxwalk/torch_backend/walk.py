@@ -97,6 +97,11 @@ class Walk:
 
     def __init__(self, model, window: Window, config: TorchWalkConfig):
         check_transformers()
+        if window.targets_per_position != 1:
+            raise ConfigError(
+                "a window of several targets a position (an answer group) is walked by the MLX "
+                "backend only; on torch, walk each answer as a window of its own"
+            )
         self.model, self.window, self.config = model, window, config
         self.device = next(model.parameters()).device
         self.ids = torch.as_tensor(window.inputs, dtype=torch.long, device=self.device)
