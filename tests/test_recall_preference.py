@@ -65,6 +65,35 @@ def test_a_pair_differs_from_its_conversation_in_the_answer_alone():
     assert offsets == set(range(1, len(recall.CODES)))
 
 
+def test_a_group_holds_the_true_code_against_each_other_one():
+    script = load_script()
+    from lib import recall
+
+    data = recall.dataset(1, 20, 128, 32)
+    for i in range(len(data["inputs"])):
+        window = script.bench.window_of(data, i)
+        group = script.group_of(window)
+        assert np.array_equal(group.inputs, window.inputs)
+        assert group.targets.shape == (len(window), len(recall.CODES))
+        assert np.array_equal(group.targets[:-1], np.repeat(window.targets[:-1, None], 16, 1))
+        assert group.targets[-1, 0] == window.targets[-1]  # column 0: the true code
+        assert sorted(map(chr, group.targets[-1])) == sorted(recall.CODES)  # each code once
+        assert np.array_equal(group.weights, np.repeat(window.weights[:, None], 16, 1))
+
+
+def test_the_quick_run_of_groups_takes_one_graphs_gradient_on_the_walk(tmp_path):
+    done = preference(tmp_path, *QUICK, "--rejected", "all")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "rejected: all" in done.stdout
+    runs = json.loads((tmp_path / "preference.json").read_text())["runs"]
+    first = {k: runs[f"{k}/0"]["stages"][0]["per_epoch"][0]["loss"] for k in runs_of(runs)}
+    assert abs(first["exact"] - first["one-graph"]) < 1e-4 < abs(first["plain"] - first["exact"])
+
+
+def runs_of(runs: dict) -> list[str]:
+    return [key.split("/")[0] for key in runs]
+
+
 def test_the_quick_run_writes_its_table_and_json(tmp_path):
     done = preference(tmp_path, *QUICK, "--plot", str(tmp_path / "p.png"))
     assert done.returncode == 0, done.stderr[-2000:]
