@@ -124,9 +124,9 @@ ROWS = (
     ),
     Spec(
         "(1d)",
-        "untied head, its vocabulary in slices: exact vs one graph",
+        "untied head, its vocabulary in slices, recompute: exact vs one graph",
         EXACT,
-        Setting(head="sliced"),
+        Setting(head="sliced", recompute="inputs"),
         ONE,
     ),
     Spec(

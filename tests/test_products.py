@@ -22,7 +22,7 @@ from mlxwalk.ops.products import (
 from mlxwalk.plan import MIB
 from mlxwalk.walk.algorithm import LOSS_BLOCK
 from mlxwalk.walk.arch import Head
-from mlxwalk.walk.loss import head_loss
+from mlxwalk.walk.loss import head_loss, sliced_loss_and_grad
 from scripts.lib import bench
 
 
@@ -224,10 +224,10 @@ def test_auto_gives_up_the_dequantized_head_first_when_a_budget_would_not_hold_i
     ids = np.random.default_rng(0).integers(0, 256, 257)
     window = Window.of(ids[:-1], ids[1:], np.ones(256))
 
-    def walk(head: str, budget_mib: float) -> ExactWalk:
+    def walk(head: str, budget_mib: float, recompute: bool = True) -> ExactWalk:
         seen.clear()
         config = WalkConfig(
-            chunk=64, recompute=True, memory_budget_mib=budget_mib, head_products=head
+            chunk=64, recompute=recompute, memory_budget_mib=budget_mib, head_products=head
         )
         return ExactWalk(model, window, config)
 
@@ -242,10 +242,58 @@ def test_auto_gives_up_the_dequantized_head_first_when_a_budget_would_not_hold_i
         assert type(model.lm_head) is DequantizedLinear
     with pytest.raises(OutOfMemory):  # asked for by name: refused, not given up
         walk("dequantized", 4096)
+    one_graph = walk("auto", 4096, recompute=False)  # its chunk one graph: not sliced
+    assert seen == ["dequantized", "quantized"] and one_graph.head_products == "quantized"
     quantized = walk("quantized", 4096)
     assert seen == ["quantized"]
     with quantized.walking():
         assert type(model.lm_head) is nn.QuantizedLinear
+
+
+@pytest.mark.parametrize("several", [False, True])
+def test_the_eager_sliced_loss_equals_the_quantized_head_and_holds_one_slice(several):
+    """sliced_loss_and_grad (the layer-by-layer walk's, outside any transformation): the loss
+    and its gradient in h of MLX's quantized head, one slice of logits alive at a time."""
+    vocab, hidden, n, T = 16384, 256, LOSS_BLOCK, 3
+    head = wide_head(vocab, hidden)
+    h = mx.random.normal((1, n, hidden))
+    y = mx.random.randint(0, vocab, (1, n, T) if several else (1, n))
+    w = mx.random.normal(y.shape) if several else mx.random.uniform(shape=(1, n))
+    mx.eval(head.parameters(), h, y, w)
+    module = Head(None, head, head, lambda x: x)
+    want = mx.value_and_grad(lambda h: head_loss(module, h, y, w, 7.0))(h)
+    head.__class__ = DequantizedLinear
+    mx.synchronize()
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    mx.eval(mx.value_and_grad(lambda h: head_loss(module, h, y, w, 7.0))(h))
+    held = mx.get_peak_memory() - base
+    head.__class__ = SlicedLinear
+    with products.vocab_slice(vocab // 8):
+        mx.synchronize()
+        mx.reset_peak_memory()
+        base = mx.get_active_memory()
+        loss, dh = sliced_loss_and_grad(head, h, y, w, 7.0)
+        mx.eval(loss, dh)
+        sliced = mx.get_peak_memory() - base
+    assert abs(loss.item() - want[0].item()) < 1e-5 * abs(want[0].item())
+    assert rel(dh, want[1]) < 1e-5
+    # the held head's copy, a block's float32 logits and their gradient: 289 MiB on the CPU;
+    # eager, one slice of the eight: 30 MiB (the checkpointed slices of head_loss: 138)
+    assert sliced < 0.2 * held, (sliced / MIB, held / MIB)
+
+
+def test_the_walk_on_a_sliced_head_without_recompute_equals_one_graph():
+    """Row (1d) walks the sliced head layer by layer (recompute); without recompute the chunk is
+    one graph and its loss head_loss's checkpointed slices."""
+    model, _ = mlx_lm.load(str(tiny.path("tiny-mistral-4bit")))
+    model = prepare(model)
+    ids = np.random.default_rng(2).integers(0, 256, 161)
+    args = (model, ids[:-1], ids[1:], np.ones(160))
+    _, one = window_gradient(*args, chunk=160, walk="one-graph")
+    with products.vocab_slice(96):
+        _, walked = window_gradient(*args, chunk=48, head_products="sliced")
+    assert compare(walked, one)[1] <= 2e-5
 
 
 def test_the_sliced_head_row_of_test_walk_exact_runs_on_an_untied_quantized_model():

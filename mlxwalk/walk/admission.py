@@ -207,8 +207,10 @@ class Admission:
         auto_head = self.config.head_products == "auto" and self.head_products == "dequantized"
         if auto_head and est.total > device:
             # auto: the head's whole dequantized copy is the first thing given up (its gain
-            # over the sliced head is the smallest: a few dequantizations a chunk)
-            self.head_products = "sliced"
+            # over the sliced head is the smallest: a few dequantizations a chunk). Sliced only
+            # layer by layer (recompute), where each slice is evaluated alone; a chunk's one
+            # graph holds every slice at once on a GPU (14.67 GiB on an H100 at the 27B head)
+            self.head_products = "sliced" if self.config.recompute else "quantized"
             est, least = self.settled_at(asked, device, probe_it=True)
         costly = []  # (layer forwards again, the walk as settled) that fit past AFFORDABLE
         for taken in range(len(steps) + 1):

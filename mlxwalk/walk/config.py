@@ -54,7 +54,8 @@ class WalkConfig:
     # an untied quantized lm head's products, when `products` dequantizes: "dequantized" (the
     # head dequantized once per chunk and held through its loss, ops.products), "sliced" (its loss
     # dequantizes a slice of the vocabulary at a time: one slice alive), "quantized";
-    # auto: dequantized unless a memory budget would not hold it, then sliced
+    # auto: dequantized unless a memory budget would not hold it, then sliced with recompute
+    # (each slice evaluated alone, layer by layer), quantized without
     head_products: str = "auto"
     # positions the exact walk's decode runs through the model at once, in whole chunks (at least
     # one): larger products for the same store and states. None: DECODE_RUN on CUDA at half

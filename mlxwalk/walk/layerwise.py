@@ -18,8 +18,9 @@ import mlx.core as mx
 from mlx import nn
 from mlx.utils import tree_flatten, tree_map_with_path
 
+from ..ops import products
 from .arch import Head
-from .loss import head_loss
+from .loss import head_loss, sliced_loss_and_grad
 from .taps import Layers
 
 
@@ -62,7 +63,12 @@ def gradient(
         return head_loss(head, head.norm(h), y, w, total)
 
     last = calls[-1].out
-    if scored:
+    if scored and type(head.module) is products.SlicedLinear:  # frozen: no head gradient
+        normed, norm_vjp = head.norm(last), lambda d: mx.vjp(head.norm, [last], [d])[1][0]
+        loss, dn = sliced_loss_and_grad(head.module, normed, y, w, total)
+        dy = norm_vjp(dn)
+        mx.eval(loss, dy)
+    elif scored:
         params = head.module.trainable_parameters()
         loss, (g_head, dy) = mx.value_and_grad(head_objective, argnums=(0, 1))(params, last)
         mx.eval(loss, g_head, dy)

@@ -95,3 +95,45 @@ def sliced_cross_entropy(head: products.SlicedLinear, h: mx.array, targets: mx.a
     parts = mx.stack([scores(s) for s in head.vocab_slices()], axis=1)  # (2, slices, 1, n, T)
     ce = mx.logsumexp(parts[0], axis=0) - parts[1].sum(axis=0)  # (1, n, T)
     return ce if several else ce[..., 0]
+
+
+def sliced_loss_and_grad(
+    head: products.SlicedLinear, h: mx.array, targets, weights, total: float
+) -> tuple[mx.array, mx.array]:
+    """head_loss of a sliced head and its gradient in h, outside any transformation, one slice
+    evaluated at a time: its logsumexp and target logits first, then, with the window's
+    logsumexp known, its share of the gradient (its product computed again). A graph of all the
+    slices, even checkpointed, holds them all at once on a GPU, where buffers come back only
+    once the graph has run: on an H100 it peaked at 14.67 GiB over its inputs for the 27B
+    shape's head at a chunk of 2,048, against 2.88 for the held head (docs/BENCHMARKS.md). Here
+    one slice's rows and logits are alive at a time. The head's parameters take no gradient (a
+    quantized head is frozen). h (1, n, hidden); targets and weights (1, n) or (1, n, T)."""
+    several = targets.ndim == 3
+    columns = targets if several else targets[..., None]  # (1, n, T)
+    w = weights if several else weights[..., None]  # (1, n, T)
+
+    def part(h: mx.array, s: slice) -> tuple[mx.array, mx.array]:
+        logits = head.logits(h, s).astype(mx.float32)  # (1, n, rows of s)
+        inside = (columns >= s.start) & (columns < s.stop)  # (1, n, T)
+        at = mx.clip(columns - s.start, 0, logits.shape[-1] - 1)  # (1, n, T)
+        picked = mx.where(inside, mx.take_along_axis(logits, at, axis=-1), 0.0)  # (1, n, T)
+        return mx.logsumexp(logits, axis=-1, keepdims=True), picked  # (1, n, 1), (1, n, T)
+
+    slices = head.vocab_slices()
+    lse_s, picked = [], mx.zeros(columns.shape, mx.float32)
+    for s in slices:
+        a, b = part(h, s)
+        picked = picked + b
+        lse_s.append(a)
+        mx.eval(a, picked)  # this slice's logits go before the next slice's come
+    lse = mx.logsumexp(mx.stack(lse_s), axis=0)  # (1, n, 1)
+    loss = ((lse - picked) * w).sum() / total
+    d_ce = w / total  # (1, n, T)
+    d_lse, d_picked = d_ce.sum(axis=-1, keepdims=True), -d_ce  # (1, n, 1), (1, n, T)
+    dh = mx.zeros(h.shape, mx.float32)
+    for s, a in zip(slices, lse_s):
+        share = d_lse * mx.exp(a - lse)  # d lse / d a: the slice's share of the softmax
+        _, (g,) = mx.vjp(lambda x, s=s: part(x, s), [h], [share, d_picked])
+        dh = dh + g.astype(mx.float32)  # (1, n, hidden)
+        mx.eval(dh)
+    return loss, dh.astype(h.dtype)
