@@ -105,7 +105,7 @@ class _Walker:
         self.grads = None
 
     def gradient(self, window: Window, scale: float = 1.0) -> float:
-        mean, grads = _window_gradient(self.model, window, self.config, self.walk)
+        mean, grads = walked_gradient(self.model, window, self.config, self.walk)
         if self.grads is None:
             self.grads = tree_map(lambda g: scale * g, grads)
         else:
@@ -116,7 +116,9 @@ class _Walker:
         self.grads = tree_map(lambda a: factor * a, self.grads)
 
 
-def _window_gradient(model, window: Window, config: WalkConfig, walk: str) -> tuple[float, dict]:
+def walked_gradient(
+    model: nn.Module, window: Window, config: WalkConfig, walk: str
+) -> tuple[float, dict]:
     """The window's mean cross-entropy and its gradient, by one walk."""
     if walk == "exact":
         runner, grads = exact_gradient(model, window, config)

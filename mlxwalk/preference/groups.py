@@ -24,7 +24,7 @@ from mlx.utils import tree_map
 
 from ..walk import WalkConfig, Window, target_scores
 from ..walk.runner import window_arrays
-from .dpo import WALKS, _window_gradient, adapter_off
+from .dpo import WALKS, adapter_off, walked_gradient
 from .rewards import Scores, Terms, terms
 
 
@@ -68,7 +68,7 @@ def group_gradient(
     if not signed.any():  # every pair saturated: the loss is flat here
         return pairs, tree_map(mx.zeros_like, model.trainable_parameters())
     walked = Window.of_targets(group.inputs, group.targets, signed)
-    _, grads = _window_gradient(model, walked, config, walk)  # of sum(w CE) / sum(|w|)
+    _, grads = walked_gradient(model, walked, config, walk)  # of sum(w CE) / sum(|w|)
     return pairs, tree_map(lambda g: walked.total * g, grads)
 
 
