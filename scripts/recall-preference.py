@@ -207,9 +207,32 @@ curriculum.Trainee = PreferenceTrainee
 curriculum.__file__ = __file__
 
 
+def under_way(a, runs: dict) -> dict:
+    """The runs with the stage under way as a stage of its own, after its finished epochs (the
+    numbers of its last), where it has any: --under-way's table."""
+    out = {}
+    for key, run in runs.items():
+        done, epochs = run.get("stages", []), run.get("epochs", [])
+        if run.get("done") or not epochs or len(done) >= len(a.stages):
+            out[key] = run
+            continue
+        last = epochs[-1]
+        stage = {
+            "window": a.stages[len(done)],
+            "epochs": len(epochs),
+            "per_epoch": epochs,
+            "seconds": sum(e["seconds"] for e in epochs),
+            **{k: last[k] for k in ("accuracy", "loss", "s_per_window", "peak_mib")},
+        }
+        out[key] = run | {"stages": [*done, stage]}
+    return out
+
+
 def summary(a, runs: dict) -> list[dict]:
     """The curriculum's rows per stage and trainer (its accuracy: preference accuracy), with
     recall's mean and range and the mean margin over the seeds."""
+    if getattr(a, "under_way", False):
+        runs = under_way(a, runs)
     rows = curriculum.summary(a, runs)
     for r in rows:
         last = [
@@ -309,7 +332,7 @@ def report(a, runs: dict, start: float) -> int:
         title = f"recall as a preference (DPO), chunk {curriculum.chunk_label(a)}, seeds {seeds}"
         plot(rows, a.plot, title, curriculum.endings(runs))
         print(f"plot: {a.plot}")
-    run_only = (*curriculum.RUN_ONLY, "child")
+    run_only = (*curriculum.RUN_ONLY, "child", "under_way")
     settings = {k: v for k, v in vars(a).items() if k not in run_only}
     out = {"settings": settings, "runs": runs, "summary": rows}
     name = "preference.json" if a.seed is None else f"preference-seed{a.seed}.json"
@@ -372,6 +395,11 @@ def arguments(argv: list[str] | None):
         "--table", action="store_true", help="the table of the saved states; nothing trained"
     )
     p.add_argument("--plot", help="write preference accuracy and recall per stage to this PNG")
+    p.add_argument(
+        "--under-way",
+        action="store_true",
+        help="with --table: the stage under way too, after its finished epochs",
+    )
     p.add_argument("--quick", action="store_true", help="a smoke run of seconds")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # --parallel's own
     a = p.parse_args(argv)

@@ -94,6 +94,19 @@ def runs_of(runs: dict) -> list[str]:
     return [key.split("/")[0] for key in runs]
 
 
+def test_the_table_shows_the_stage_under_way_when_asked(tmp_path):
+    run = ("--advance", "1.1", "--max-epochs", "2", "--trainers", "exact", "--driver", "exact")
+    stopped = preference(tmp_path, *run, "--stop-after-windows", "8")  # epoch 1 of 2, and 2 pairs
+    assert stopped.returncode != 0 and "--resume continues" in stopped.stdout
+    plain = preference(tmp_path, *run, "--table")
+    assert "| 128 |" not in plain.stdout
+    shown = preference(tmp_path, *run, "--table", "--under-way")
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    assert "| 128 | 4 | exact | 1 | 1.0 |" in shown.stdout, shown.stdout
+    saved = json.loads((tmp_path / "preference.json").read_text())
+    assert "under_way" not in saved["settings"]
+
+
 def test_the_quick_run_writes_its_table_and_json(tmp_path):
     done = preference(tmp_path, *QUICK, "--plot", str(tmp_path / "p.png"))
     assert done.returncode == 0, done.stderr[-2000:]
