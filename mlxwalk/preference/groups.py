@@ -63,8 +63,8 @@ def group_gradient(
         for p, r in zip(policy[1:], reference[1:])
     ]
     c = np.array([t.weight for t in pairs]) / len(pairs)  # (K,)
-    answer = (group.weights[:, 0] != 0).astype(np.float32)  # (n,)
-    signed = answer[:, None] * np.r_[c.sum(), -c][None]  # (n, 1 + K)
+    # d pi_t weighs each position by the column's own weight, as its score did
+    signed = group.weights * np.r_[c.sum(), -c][None]  # (n, 1 + K)
     if not signed.any():  # every pair saturated: the loss is flat here
         return pairs, tree_map(mx.zeros_like, model.trainable_parameters())
     walked = Window.of_targets(group.inputs, group.targets, signed)
