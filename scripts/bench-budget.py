@@ -239,7 +239,7 @@ def main() -> None:
         "--head-products",
         nargs="+",
         default=["auto"],
-        choices=["auto", "quantized", "dequantized"],
+        choices=["auto", "quantized", "dequantized", "sliced"],
         help="one row per budget for each: the untied lm head's products (WalkConfig)",
     )
     p.add_argument(
