@@ -58,7 +58,8 @@ def one(model, optimizer, window: Window, config: WalkConfig, profile: bool = Fa
     print(  # before the walk: a run cut short by a time limit still tells what was admitted
         f"  admitted in {time.perf_counter() - t:.1f} s: chunk {walk.config.chunk}, stride "
         f"{walk.plan.stride}, store {walk.config.cache_type}, accumulators "
-        f"{walk.config.accumulator_dtype}, inputs kept {walk.keep}, estimate "
+        f"{walk.config.accumulator_dtype}, inputs kept {walk.keep}, decode run "
+        f"{walk.run_chunks() * walk.plan.chunk:,}, head {walk.head_products}, estimate "
         f"{full / GIB if est else 0:.2f} GiB",
         flush=True,
     )

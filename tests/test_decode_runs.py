@@ -129,22 +129,58 @@ def test_layers_left_in_flight_give_the_gradient_bit_for_bit(qwen2, monkeypatch)
         assert mx.array_equal(v, flat[k]).item(), k
 
 
-def test_under_a_memory_budget_the_decode_runs_chunk_by_chunk_where_it_would_run_long(
+def test_under_a_memory_budget_the_decode_runs_as_long_as_its_measured_memory_fits(
     qwen2, monkeypatch
 ):
-    """Where the decode would run DECODE_RUN positions at once (CUDA at half precision), a
-    memory budget holds it to one chunk: the estimate does not count a long run's own peak.
-    An explicit decode_run is kept."""
+    """Under a budget the run the decode would take (DECODE_RUN where attention is fused, CUDA
+    at half precision, or the one asked) is measured at the longest prefix it reads and halved
+    until it fits beside what the decode holds at its end; chunk by chunk where no run of two
+    chunks does. A roomy budget keeps it."""
     import mlx.core as mx
 
-    from mlxwalk.walk import exact
+    from mlxwalk.walk import arch, exact
 
     window = Window.of(IDS[:-1], IDS[1:], np.ones(N))
     monkeypatch.setattr(mx.cuda, "is_available", lambda: True)  # the fused decode's backend
-    budget = {"memory_budget_mib": 1 << 16}
-    cases = [({}, None, 4), (budget, None, 1), (budget, 128, 4), ({}, 64, 2)]
-    for extra, run, expected in cases:
-        walk = ExactWalk(qwen2, window, WalkConfig(chunk=32, decode_run=run, **extra))
-        walk.layout = replace(walk.layout, dtype=mx.bfloat16)  # the half-precision model's
-        monkeypatch.setattr(exact, "DECODE_RUN", 128)
+    monkeypatch.setattr(exact, "DECODE_RUN", 128)
+    roomy = {"memory_budget_mib": 1 << 16}
+    half = replace(arch.inspect(qwen2), dtype=mx.bfloat16)  # the half-precision model's
+    for extra, run, expected in [({}, None, 4), (roomy, None, 4), (roomy, 64, 2), ({}, 64, 2)]:
+        walk = ExactWalk(qwen2, window, WalkConfig(chunk=32, decode_run=run, **extra), half)
         assert walk.run_chunks() == expected, (extra, run)
+    # a run's own memory as measured: what fits beside the decode's end decides the width
+    est = ExactWalk(qwen2, window, WalkConfig(chunk=32, decode_run=128, **roomy)).estimate
+    room = (1 << 16) * (1 << 20) - est.decoding
+    for per_position, expected in [(room / 100, 2), (room / 200, 4), (room / 50, 1)]:
+        asked = []
+
+        def run_bytes(self, width, prefix, per_position=per_position, asked=asked):
+            asked.append((width, prefix))
+            return int(width * per_position)
+
+        monkeypatch.setattr(ExactWalk, "run_bytes", run_bytes)
+        walk = ExactWalk(qwen2, window, WalkConfig(chunk=32, decode_run=128, **roomy))
+        assert walk.run_chunks() == expected, per_position
+        # runs end where the last chunk starts (128): the longest prefix each width reads
+        assert asked == [(128, 0), (64, 64)][: {4: 1, 2: 2, 1: 2}[expected]], asked
+
+
+def test_a_decode_run_measured_holds_the_decode_within_its_end_and_the_run(qwen2):
+    """The bound the admission relies on: the decode in runs peaks within what it holds at its
+    end plus one run's measured memory, which grows with the run."""
+    from mlxwalk.walk import budget
+
+    n = 1024
+    ids = np.random.default_rng(1).integers(0, 256, n + 1)
+    window = Window.of(ids[:-1], ids[1:], np.ones(n))
+    config = WalkConfig(chunk=128, decode_run=512, recompute=True, keep_inputs="on")
+    walk = ExactWalk(qwen2, window, replace(config, memory_budget_mib=1 << 16))
+    assert walk.run_chunks() == 4
+    est = walk.estimate
+    runs = {w: walk.run_bytes(w, 896 - w) for w in (256, 512)}
+    assert 0 < runs[256] < runs[512], runs
+    with walk.walking():
+        peak = budget.live_peak(walk.decode_forward)
+    held = est.decoding - est.weights - est.adapter - est.resident
+    assert peak <= held + runs[512], (peak, held, runs)
+    assert peak > held, (peak, held)  # the run's own memory is real: the end alone under-reads

@@ -129,7 +129,34 @@ class Admission:
         budget.admit(least, device, budget.what_fits(self.layout, self.config.cache_type))
         self.given_up = self.changes(before)
         self.refuse_lossy()
+        self.run_width = self.decode_width(est, device)
         return est
+
+    def decode_width(self, est: budget.Estimate, device: int) -> int:
+        """Positions the decode runs at once under the budget: the run it takes without one
+        (`unbudgeted_run`), halved while that run's own memory, measured at the longest prefix
+        a run of it reads, does not fit beside all the decode holds at its end; 0 (chunk by
+        chunk) where no run of two chunks does. A run's graph is one layer's at the run's
+        width, not in the estimate: the 27B-shaped window's runs of 8,192 positions peaked at
+        35.57 GiB under 32 on an H100 (docs/BENCHMARKS.md)."""
+        if self.seed is not None:
+            return 0  # dropout draws its masks per chunk
+        chunk = self.config.chunk
+        width = self.unbudgeted_run() // chunk * chunk
+        last = self.plan.chunks[-1]
+        end = last.end if self.skips_stem() else last.start  # the decode's last position
+        while width >= 2 * chunk:
+            prefix = max(0, end - width) // chunk * chunk
+            if est.decoding + self.run_bytes(width, prefix) <= device:
+                return width
+            width = width // 2 // chunk * chunk
+        return 0
+
+    def run_bytes(self, width: int, prefix: int) -> int:
+        """One decode run's own memory at this walk's settings (`run_probe`)."""
+        kept = {"all": "on", "stem": "stem", "off": "off"}[self.keep]
+        config = replace(self.probed(), keep_inputs=kept)
+        return run_probe(type(self), self.model, config, width, prefix)
 
     def settings(self) -> dict[str, object]:
         """The settings the admission may change, as a Choice names them."""
@@ -443,3 +470,28 @@ def probe(
             "(the probe walks the window as the run does); a shorter window, a smaller chunk or "
             "an 8-bit K/V store would need less"
         ) from None
+
+
+def run_probe(walk: type, model, config: WalkConfig, width: int, prefix: int) -> int:
+    """One decode run's own memory, its kept inputs counted in: `width` positions decoded at
+    once (`walk`'s decode_run) after `prefix` positions of a store allocated but not decoded
+    (a prefix's length sizes the run's attention, not its values). Cached per probe key and
+    width (probe.py)."""
+    config = choices.lossless(config, choices.dtype_name(arch.inspect(model).dtype))
+    shaping = {name: getattr(config, name) for name in PROBED}
+    base = WalkConfig(**shaping, keep_inputs=config.keep_inputs)
+
+    def peak(width: int, prefix: int) -> int:
+        n = prefix + width
+        ids = np.random.default_rng(0).integers(0, arch.inspect(model).vocab, n + 1)
+        run = walk(model, Window.of(ids[:n], ids[1:], np.ones(n)), base)
+        run.filled = True
+        with run.walking():
+            run.new_store(run.plan.computed)
+            mx.eval(run.store.arrays())
+            chunks = [c for c in run.plan.chunks if c.start >= prefix]
+            nbytes = budget.live_peak(lambda: run.decode_run(chunks, run.zero_state()) or [])
+        run.kept = {}
+        return nbytes
+
+    return probes.run_cached(model, config, width, prefix, peak)

@@ -107,20 +107,22 @@ class ExactWalk(ChunkRunner, admission.Admission, ExactAlgorithm):
         return self.kept.get(chunk.index)
 
     def run_chunks(self) -> int:
-        """Whole chunks in `config.decode_run` positions (see WalkConfig); one with dropout,
-        whose masks are drawn per chunk."""
-        run = self.config.decode_run
-        if run is None and self.estimate is not None:
-            # Under a memory budget the decode's own peak is not in the estimate: the 27B-shaped
-            # window's runs of 8,192 positions peaked at 35.57 GiB under 32 on an H100 (one
-            # chunk at a time: 24.56 GiB, 2 s of 57 slower; docs/BENCHMARKS.md)
-            run = 0
-        if run is None:  # where attention is fused: CUDA at half precision (cuDNN)
-            fused = mx.cuda.is_available() and self.layout.dtype in (mx.float16, mx.bfloat16)
-            run = DECODE_RUN if fused else 0
+        """Whole chunks the decode runs at once: under a memory budget as the admission
+        measured them (`decode_width`), else as `unbudgeted_run` says; one with dropout, whose
+        masks are drawn per chunk."""
         if self.seed is not None:
             return 1
+        run = self.run_width if self.estimate is not None else self.unbudgeted_run()
         return max(1, run // self.plan.chunk)
+
+    def unbudgeted_run(self) -> int:
+        """`config.decode_run`, or by default DECODE_RUN where attention is fused (CUDA at half
+        precision: cuDNN), else 0 (chunk by chunk)."""
+        run = self.config.decode_run
+        if run is None:
+            fused = mx.cuda.is_available() and self.layout.dtype in (mx.float16, mx.bfloat16)
+            run = DECODE_RUN if fused else 0
+        return run
 
     def decode_run(self, run: list[Chunk], state: State) -> State:
         """The run's chunks as one span through the model: its K/V written, each chunk's kept

@@ -29,6 +29,8 @@ from .budget import Activations
 Measure = Callable[[np.ndarray, int, int], int]
 
 _probes: dict[tuple, tuple[weakref.ref, int, Activations]] = {}
+# a decode run's own memory: (probe key, width) -> (model, prefix measured after, bytes)
+_runs: dict[tuple, tuple[weakref.ref, int, int]] = {}
 
 
 def kept_for(config) -> str:
@@ -87,6 +89,19 @@ def out_of_device_memory(error: RuntimeError) -> bool:
 def forget() -> None:
     """Drop every cached probe (a benchmark that changes LONG_SHARE between its rows)."""
     _probes.clear()
+    _runs.clear()
+
+
+def run_cached(model, config, width: int, prefix: int, peak: Callable[[int, int], int]) -> int:
+    """A decode run's own memory at `width` positions after `prefix`, measured with
+    `peak(width, prefix)` the first time per probe key and width, or again where the cached one
+    read a shorter prefix."""
+    key = (*probe_key(model, config), width)
+    ref, measured, nbytes = _runs.get(key, (None, -1, 0))
+    if ref is None or ref() is not model or measured < prefix:
+        nbytes = peak(width, prefix)
+        _runs[key] = (weakref.ref(model), prefix, nbytes)
+    return nbytes
 
 
 def cached(model, config, reach: int, peak: Measure, echo=None) -> Activations:
