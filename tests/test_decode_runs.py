@@ -107,6 +107,17 @@ def test_a_hybrid_decodes_chunk_by_chunk_where_every_entry_state_is_kept(hybrid,
     assert BARS[EXACT](*compare(grads, one))
 
 
+def test_under_a_budget_no_run_is_measured_where_the_schedule_allows_none(hybrid, monkeypatch):
+    """A checkpoint before every chunk (stride 1) leaves the decode no run of two chunks: the
+    admission measures none (a whole run's decode spent for nothing on the first window)."""
+    window = Window.of(IDS[:-1], IDS[1:], np.ones(N))
+    measured = []
+    monkeypatch.setattr(ExactWalk, "run_bytes", lambda self, *a: measured.append(a) or 0)
+    config = WalkConfig(chunk=40, decode_run=120, memory_budget_mib=1 << 16)
+    walk = ExactWalk(hybrid, window, config)
+    assert walk.plan.stride == 1 and walk.run_chunks() == 1 and not measured
+
+
 def test_layers_left_in_flight_give_the_gradient_bit_for_bit(qwen2, monkeypatch):
     """The pipeline (Layers.timed) changes when layers are waited for, not what they compute."""
     import mlx.core as mx

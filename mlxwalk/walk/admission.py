@@ -141,10 +141,12 @@ class Admission:
         35.57 GiB under 32 on an H100 (docs/BENCHMARKS.md)."""
         if self.seed is not None:
             return 0  # dropout draws its masks per chunk
-        chunk = self.config.chunk
-        width = self.unbudgeted_run() // chunk * chunk
-        last = self.plan.chunks[-1]
-        end = last.end if self.skips_stem() else last.start  # the decode's last position
+        chunk, chunks = self.config.chunk, self.plan.chunks
+        decoded = chunks if self.skips_stem() else chunks[:-1]
+        # no run is longer than the schedule lets one be (a recurrent checkpoint starts one)
+        longest = max((len(r) for r in self.decode_runs(decoded, len(chunks))), default=0)
+        width = min(self.unbudgeted_run() // chunk, longest) * chunk
+        end = decoded[-1].end if decoded else 0  # the decode's last position
         while width >= 2 * chunk:
             prefix = max(0, end - width) // chunk * chunk
             if est.decoding + self.run_bytes(width, prefix) <= device:

@@ -142,12 +142,12 @@ class ExactAlgorithm(WalkAlgorithm):
     def drop_stem_store(self) -> None:
         """The stem's K/V, read by no one once the decode is done."""
 
-    def decode_runs(self, chunks) -> list[list[Chunk]]:
-        """The decode's runs: consecutive chunks decoded at once, up to `run_chunks()` of them,
-        a run starting wherever a recurrent state checkpoint is kept (only a run's entry state
-        exists), the last chunk's among them."""
+    def decode_runs(self, chunks, most: int | None = None) -> list[list[Chunk]]:
+        """The decode's runs: consecutive chunks decoded at once, up to `most` (default
+        `run_chunks()`) of them, a run starting wherever a recurrent state checkpoint is kept
+        (only a run's entry state exists), the last chunk's among them."""
         runs: list[list[Chunk]] = []
-        most = max(1, self.run_chunks())
+        most = max(1, self.run_chunks() if most is None else most)
         last = self.plan.chunks[-1]
         for chunk in chunks:
             kept = self.recurrent and (self.plan.checkpointed(chunk.index) or chunk is last)
