@@ -37,6 +37,11 @@ use_openblas()  # MLX's CPU matrix products on OpenBLAS (mlxwalk/_blas.py)
 GIB = 1 << 30
 
 
+def decode_run(walk: ExactWalk) -> str:
+    run = walk.run_chunks()
+    return "by chunk" if run == 1 else f"in runs of {run * walk.plan.chunk:,}"
+
+
 def one(model, optimizer, window: Window, config: WalkConfig, profile: bool = False) -> dict:
     budget = config.memory_budget_mib
     row = {"budget_gib": round(budget / 1024, 2) if budget else None}
@@ -58,8 +63,8 @@ def one(model, optimizer, window: Window, config: WalkConfig, profile: bool = Fa
     print(  # before the walk: a run cut short by a time limit still tells what was admitted
         f"  admitted in {time.perf_counter() - t:.1f} s: chunk {walk.config.chunk}, stride "
         f"{walk.plan.stride}, store {walk.config.cache_type}, accumulators "
-        f"{walk.config.accumulator_dtype}, inputs kept {walk.keep}, decode run "
-        f"{walk.run_chunks() * walk.plan.chunk:,}, head {walk.head_products}, estimate "
+        f"{walk.config.accumulator_dtype}, inputs kept {walk.keep}, decode "
+        f"{decode_run(walk)}, head {walk.head_products}, estimate "
         f"{full / GIB if est else 0:.2f} GiB",
         flush=True,
     )

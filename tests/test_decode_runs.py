@@ -178,7 +178,8 @@ def test_under_a_memory_budget_the_decode_runs_as_long_as_its_measured_memory_fi
 
 def test_a_decode_run_measured_holds_the_decode_within_its_end_and_the_run(qwen2):
     """The bound the admission relies on: the decode in runs peaks within what it holds at its
-    end plus one run's measured memory, which grows with the run."""
+    end plus one run's measured memory, which grows with the run and which the estimate
+    counts."""
     from mlxwalk.walk import budget
 
     n = 1024
@@ -192,6 +193,7 @@ def test_a_decode_run_measured_holds_the_decode_within_its_end_and_the_run(qwen2
     assert 0 < runs[256] < runs[512], runs
     with walk.walking():
         peak = budget.live_peak(walk.decode_forward)
-    held = est.decoding - est.weights - est.adapter - est.resident
+    assert est.run == runs[512]  # the estimate counts the run it chose
+    held = est.decoding - est.run - est.weights - est.adapter - est.resident
     assert peak <= held + runs[512], (peak, held, runs)
     assert peak > held, (peak, held)  # the run's own memory is real: the end alone under-reads

@@ -129,18 +129,18 @@ class Admission:
         budget.admit(least, device, budget.what_fits(self.layout, self.config.cache_type))
         self.given_up = self.changes(before)
         self.refuse_lossy()
-        self.run_width = self.decode_width(est, device)
-        return est
+        self.run_width, run = self.decode_width(est, device)
+        return replace(est, run=run)
 
-    def decode_width(self, est: budget.Estimate, device: int) -> int:
-        """Positions the decode runs at once under the budget: the run it takes without one
-        (`unbudgeted_run`), halved while that run's own memory, measured at the longest prefix
-        a run of it reads, does not fit beside all the decode holds at its end; 0 (chunk by
-        chunk) where no run of two chunks does. A run's graph is one layer's at the run's
-        width, not in the estimate: the 27B-shaped window's runs of 8,192 positions peaked at
-        35.57 GiB under 32 on an H100 (docs/BENCHMARKS.md)."""
+    def decode_width(self, est: budget.Estimate, device: int) -> tuple[int, int]:
+        """(positions, bytes): the run the decode takes under the budget and its own memory.
+        The run it takes without one (`unbudgeted_run`), halved while that run's memory,
+        measured at the longest prefix a run of it reads, does not fit beside all the decode
+        holds at its end; (0, 0) (chunk by chunk) where no run of two chunks does. Unmeasured,
+        the 27B-shaped window's runs of 8,192 positions peaked at 35.57 GiB under 32 on an
+        H100 (docs/BENCHMARKS.md)."""
         if self.seed is not None:
-            return 0  # dropout draws its masks per chunk
+            return 0, 0  # dropout draws its masks per chunk
         chunk, chunks = self.config.chunk, self.plan.chunks
         decoded = chunks if self.skips_stem() else chunks[:-1]
         # no run is longer than the schedule lets one be (a recurrent checkpoint starts one)
@@ -149,10 +149,11 @@ class Admission:
         end = decoded[-1].end if decoded else 0  # the decode's last position
         while width >= 2 * chunk:
             prefix = max(0, end - width) // chunk * chunk
-            if est.decoding + self.run_bytes(width, prefix) <= device:
-                return width
+            run = self.run_bytes(width, prefix)
+            if est.decoding + run <= device:
+                return width, run
             width = width // 2 // chunk * chunk
-        return 0
+        return 0, 0
 
     def run_bytes(self, width: int, prefix: int) -> int:
         """One decode run's own memory at this walk's settings (`run_probe`)."""

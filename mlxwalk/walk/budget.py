@@ -39,6 +39,9 @@ class Estimate:
     # the stem's attention layers' K/V, held through the decode alone where the reverse pass runs
     # no stem layer (the stem's output kept: walk/exact.py `drop_stem_store`); `store` is the rest
     stem_store: int = 0
+    # one decode run's own memory, where the decode runs several chunks at once under the budget
+    # (admission.py `decode_width`; 0: chunk by chunk, whose own memory is under the graph's)
+    run: int = 0
 
     @property
     def device(self) -> int:
@@ -56,10 +59,10 @@ class Estimate:
 
     @property
     def decoding(self) -> int:
-        """The decode's memory at its end (no accumulators yet; its own chunk's activations are
-        not counted, as they never were)."""
+        """The decode's memory at its end (no accumulators yet), with one run's own memory
+        where it runs several chunks at once (one chunk's is not counted, as it never was)."""
         held = self.store + self.stem_store + self.inputs + self.checkpoints
-        return self.weights + self.adapter + self.resident + held
+        return self.weights + self.adapter + self.resident + held + self.run
 
     @property
     def total(self) -> int:
@@ -68,7 +71,7 @@ class Estimate:
     def phases(self) -> list[tuple[str, int, str]]:
         """The two phases' sums, shown where the stem's K/V is held through the decode alone."""
         return [
-            ("decode's end", self.decoding, "everything but the graph and accumulators"),
+            ("decode's end", self.decoding, "all but the graph and accumulators, one run's"),
             ("reverse pass", self.reversing, "everything but the stem's K/V"),
             ("total", self.total, "the larger of the two"),
         ]
@@ -85,9 +88,10 @@ class Estimate:
                 else []
             ),
             *(inputs if self.inputs else []),
+            *([("device: decode run", self.run, "the decode's alone")] if self.run else []),
             ("host: accumulators", self.accumulators, ""),
             ("host: checkpoints", self.checkpoints, ""),
-            *(self.phases() if self.stem_store else [("total", self.total, "")]),
+            *(self.phases() if self.stem_store or self.run else [("total", self.total, "")]),
         ]
         return memory_lines(rows, 19)
 
