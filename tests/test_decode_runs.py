@@ -197,3 +197,25 @@ def test_a_decode_run_measured_holds_the_decode_within_its_end_and_the_run(qwen2
     held = est.decoding - est.run - est.weights - est.adapter - est.resident
     assert peak <= held + runs[512], (peak, held, runs)
     assert peak > held, (peak, held)  # the run's own memory is real: the end alone under-reads
+
+
+def test_a_run_whose_measure_runs_out_of_device_memory_is_not_taken(qwen2, monkeypatch):
+    """The measure's own failed allocation says the run does not fit (the decode goes by
+    chunk); any other error is the walk's fault and is raised."""
+    from mlxwalk.walk import probe
+
+    window = Window.of(IDS[:-1], IDS[1:], np.ones(N))
+    config = WalkConfig(chunk=32, decode_run=128, memory_budget_mib=1 << 16)
+    for message in ["cudaMalloc failed: out of memory", "a bug"]:
+        probe.forget()
+
+        def fail(self, run, state, message=message):  # only the run's measure decodes a run
+            raise RuntimeError(message)
+
+        monkeypatch.setattr(ExactWalk, "decode_run", fail)
+        if message == "a bug":
+            with pytest.raises(RuntimeError, match="a bug"):
+                ExactWalk(qwen2, window, config)
+        else:
+            assert ExactWalk(qwen2, window, config).run_chunks() == 1
+    probe.forget()

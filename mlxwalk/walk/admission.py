@@ -43,6 +43,8 @@ LOSSY_STEPS = (("accumulator_dtype", "bfloat16"), ("cache_type", "q8"))
 # kept where none is affordable: the 27B-shaped window under 21 GiB fitted exactly only at chunk
 # 256 with no checkpoint, 132 windows' decode again (docs/BENCHMARKS.md).
 AFFORDABLE = 2.0
+# a decode run's memory where measuring it ran out of the device's: more than any budget
+OUT_OF_DEVICE = 1 << 62
 LOSSY_SAID = {"accumulator_dtype": "bfloat16 accumulators", "cache_type": "an 8-bit K/V store"}
 
 
@@ -497,4 +499,10 @@ def run_probe(walk: type, model, config: WalkConfig, width: int, prefix: int) ->
         run.kept = {}
         return nbytes
 
-    return probes.run_cached(model, config, width, prefix, peak)
+    try:
+        return probes.run_cached(model, config, width, prefix, peak)
+    except RuntimeError as e:  # the device's own allocation failed: a run this long never fits
+        if not probes.out_of_device_memory(e):
+            raise
+        mx.clear_cache()
+        return OUT_OF_DEVICE
