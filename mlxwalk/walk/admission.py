@@ -136,7 +136,7 @@ class Admission:
 
     def decode_width(self, est: budget.Estimate, device: int) -> tuple[int, int]:
         """(positions, bytes): the run the decode takes under the budget and its own memory.
-        The run it takes without one (`unbudgeted_run`), halved while that run's memory,
+        The run it takes without one (`unbudgeted_run`), shortened while that run's memory,
         measured at the longest prefix a run of it reads, does not fit beside all the decode
         holds at its end; (0, 0) (chunk by chunk) where no run of two chunks does. Unmeasured,
         the 27B-shaped window's runs of 8,192 positions peaked at 35.57 GiB under 32 on an
@@ -149,12 +149,15 @@ class Admission:
         longest = max((len(r) for r in self.decode_runs(decoded, len(chunks))), default=0)
         width = min(self.unbudgeted_run() // chunk, longest) * chunk
         end = decoded[-1].end if decoded else 0  # the decode's last position
+        room = device - est.decoding
         while width >= 2 * chunk:
             prefix = max(0, end - width) // chunk * chunk
             run = self.run_bytes(width, prefix)
-            if est.decoding + run <= device:
+            if run <= room:
                 return width, run
-            width = width // 2 // chunk * chunk
+            # the next width tried: half, or less where the measured bytes per position say
+            # so (a run's fixed part makes that an underestimate of what fits, never over)
+            width = min(width // 2, int(max(room, 0) * width / run)) // chunk * chunk
         return 0, 0
 
     def run_bytes(self, width: int, prefix: int) -> int:
