@@ -157,7 +157,7 @@ class Admission:
                 return width, run
             # the next width tried: half, or less where the measured bytes per position say
             # so (a run's fixed part makes that an underestimate of what fits, never over)
-            width = min(width // 2, int(max(room, 0) * width / run)) // chunk * chunk
+            width = min(width // 2, int(max(room, 0) * width / max(run, 1))) // chunk * chunk
         return 0, 0
 
     def run_bytes(self, width: int, prefix: int) -> int:
@@ -448,6 +448,14 @@ class Admission:
         return graph_bytes(self.acts, self.layout.footprint(), taps, prefix)
 
 
+def probe_config(model, config: WalkConfig, kept) -> tuple[WalkConfig, WalkConfig]:
+    """(the run's config as its walk resolves it, the config a probe's walks take): the
+    settings that shape a chunk's graph (PROBED), the kept inputs `kept(config)`, no budget."""
+    config = choices.lossless(config, choices.dtype_name(arch.inspect(model).dtype))
+    shaping = {name: getattr(config, name) for name in PROBED}
+    return config, WalkConfig(**shaping, keep_inputs=kept(config))
+
+
 def probe(
     walk: type, model, config: WalkConfig, reach: int | None = None, echo=None
 ) -> Activations:
@@ -455,9 +463,7 @@ def probe(
     the exact walk's class) with the run's settings that shape a chunk's graph (PROBED) and its
     kept inputs, over at most `reach` positions of prefix (None: as far as the probe goes). An
     "auto" store is measured as the walk resolves it, so both share one cached probe."""
-    config = choices.lossless(config, choices.dtype_name(arch.inspect(model).dtype))
-    shaping = {name: getattr(config, name) for name in PROBED}
-    base = WalkConfig(**shaping, keep_inputs=probes.kept_for(config))
+    config, base = probe_config(model, config, probes.kept_for)
 
     def peak(ids: np.ndarray, n: int, horizon: int) -> int:
         window = Window.of(ids[:n], ids[1 : n + 1], np.ones(n))
@@ -485,13 +491,12 @@ def run_probe(walk: type, model, config: WalkConfig, width: int, prefix: int) ->
     once (`walk`'s decode_run) after `prefix` positions of a store allocated but not decoded
     (a prefix's length sizes the run's attention, not its values). Cached per probe key and
     width (probe.py)."""
-    config = choices.lossless(config, choices.dtype_name(arch.inspect(model).dtype))
-    shaping = {name: getattr(config, name) for name in PROBED}
-    base = WalkConfig(**shaping, keep_inputs=config.keep_inputs)
+    config, base = probe_config(model, config, lambda c: c.keep_inputs)
+    vocab = arch.inspect(model).vocab
 
     def peak(width: int, prefix: int) -> int:
         n = prefix + width
-        ids = np.random.default_rng(0).integers(0, arch.inspect(model).vocab, n + 1)
+        ids = np.random.default_rng(0).integers(0, vocab, n + 1)
         run = walk(model, Window.of(ids[:n], ids[1:], np.ones(n)), base)
         run.filled = True
         with run.walking():

@@ -61,8 +61,8 @@ class WalkConfig:
     # one): larger products for the same store and states. None: DECODE_RUN on CUDA at half
     # precision, where the decode evaluates a layer at a time and attention is fused (a run's
     # graph is one layer's at the run's width), else one chunk at a time; under a memory budget
-    # the run is measured and halved until it fits beside what the decode holds (admission.py
-    # `decode_width`), else one chunk at a time
+    # the run is measured and shortened until it fits beside what the decode holds
+    # (admission.py `decode_width`), else one chunk at a time
     decode_run: int | None = None
 
     @classmethod
